@@ -1,0 +1,137 @@
+"""The ``grader`` command (CONTRACT section 3).
+
+    grader run [PART ...] [--submission DIR] [--results FILE] [--backend auto|gloo|nccl]
+    grader list [PART ...]
+
+Exit status: 0 every graded test passed; 1 some test did not pass; 2 the
+grader could not grade (bad arguments, bad configuration, no such directory).
+Anything wrong with the input is one line on stderr, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import time
+from pathlib import Path
+from types import FrameType
+
+from rich.console import Console
+
+from grader.catalog import collect
+from grader.config import DEFAULT_CONFIG, ConfigError, load_config
+from grader.grading import Listener, grade
+from grader.report.results import to_gradescope, write_results
+from grader.report.terminal import ProgressDisplay, print_summary
+from grader.submission import SubmissionError, resolve
+
+EXIT_PASSED, EXIT_FAILED, EXIT_CANNOT_GRADE = 0, 1, 2
+EXIT_INTERRUPTED = 130
+
+
+class _UsageError(Exception):
+    pass
+
+
+class _ArgumentParser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise _UsageError(message)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = _ArgumentParser(prog="grader", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--config", type=Path, default=DEFAULT_CONFIG, help=argparse.SUPPRESS)
+    commands = parser.add_subparsers(dest="command", required=True)
+    run = commands.add_parser("run", help="grade a submission")
+    run.add_argument("parts", nargs="*", metavar="PART", help="parts to grade (default: all)")
+    run.add_argument("--submission", metavar="DIR", help="default: the repository's assignments/")
+    run.add_argument("--results", metavar="FILE", type=Path, help="write results.json here")
+    run.add_argument("--backend", choices=("auto", "gloo", "nccl"), default="auto")
+    listing = commands.add_parser("list", help="list the parts, their tests and points")
+    listing.add_argument("parts", nargs="*", metavar="PART")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    console = Console(stderr=False)
+    try:
+        args = _parser().parse_args(argv)
+        config = load_config(args.config)
+        parts = args.parts or list(config.parts)
+        for part in parts:
+            config.part(part)  # an unknown part is a usage error
+        if args.command == "list":
+            return _list(console, config, parts)
+        submission = resolve(args.submission)
+        tests = collect(config, parts)
+    except (_UsageError, ConfigError, SubmissionError) as err:
+        print(f"grader: error: {err}", file=sys.stderr)
+        return EXIT_CANNOT_GRADE
+    return _run(console, tests, submission, args.backend, args.results)
+
+
+def _run(console: Console, tests, submission: Path, backend: str, results_file: Path | None) -> int:  # noqa: ANN001
+    previous = signal.signal(signal.SIGTERM, _raise_interrupt)
+    start = time.monotonic()
+    console.print(f"Grading [bold]{submission}[/] ({len(tests)} tests)", highlight=False)
+    with ProgressDisplay(console, len(tests)) as display:
+        listener = Listener(display.on_start, display.on_verdict)
+        results, interrupted = grade(tests, submission, backend, listener)
+    signal.signal(signal.SIGTERM, previous)
+    seconds = time.monotonic() - start
+    print_summary(console, results, seconds)
+    if results_file is not None:
+        total = sum(r.score for r in results)
+        maximum = sum(r.max_score for r in results)
+        summary = f"{total:g} / {maximum:g} points; {sum(r.verdict.passed for r in results)} of {len(results)} tests passed"
+        try:
+            write_results(results_file, to_gradescope(results, seconds, summary))
+        except OSError as err:
+            print(f"grader: error: cannot write {results_file}: {err.strerror}", file=sys.stderr)
+            return EXIT_CANNOT_GRADE
+        console.print(f"results written to {results_file}", highlight=False)
+    if interrupted:
+        console.print("[bold red]interrupted[/]: every worker was stopped")
+        return EXIT_INTERRUPTED
+    return EXIT_PASSED if all(r.verdict.passed for r in results) else EXIT_FAILED
+
+
+def _list(console: Console, config, parts: list[str]) -> int:  # noqa: ANN001
+    try:
+        tests = collect(config, parts)
+    except ConfigError as err:
+        print(f"grader: error: {err}", file=sys.stderr)
+        return EXIT_CANNOT_GRADE
+    from rich.table import Table
+
+    for part in parts:
+        table = Table(title=f"[bold]{part}", title_justify="left")
+        for column in ("test", "target", "kind", "world sizes", "points each"):
+            table.add_column(column)
+        seen: dict[str, list[int]] = {}
+        rows = {}
+        for test in (t for t in tests if t.part == part):
+            seen.setdefault(test.name, []).append(test.world_size)
+            rows[test.name] = test
+        for name, sizes in seen.items():
+            test = rows[name]
+            table.add_row(
+                name,
+                test.target,
+                test.kind,
+                ", ".join(map(str, sizes)),
+                f"{test.settings.points:g}",
+            )
+        total = sum(t.settings.points for t in tests if t.part == part)
+        table.caption = f"{total:g} points in all"
+        console.print(table)
+    return EXIT_PASSED
+
+
+def _raise_interrupt(signum: int, frame: FrameType | None) -> None:
+    raise KeyboardInterrupt
+
+
+if __name__ == "__main__":
+    sys.exit(main())

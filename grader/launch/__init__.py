@@ -1,0 +1,1 @@
+"""Launching torchrun jobs and supervising them until every planned test has a verdict."""

@@ -1,0 +1,103 @@
+"""One torchrun job: started in its own session, so that it can be ended whole.
+
+Killing torchrun alone leaves its workers running (pytest-timeout issue #159),
+and a worker blocked in gloo, or one whose student code ignores signals, would
+outlive a polite request. The job is therefore started with
+``start_new_session=True`` and ended with SIGKILL to its whole process group:
+every result is on disk already, so there is nothing for a worker to save.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from types import TracebackType
+
+
+class TorchrunJob:
+    def __init__(self, job_dir: Path, world_size: int) -> None:
+        self.job_dir = job_dir
+        self.world_size = world_size
+        self._process: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        command = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",  # a free port of its own: graders can run side by side
+            f"--nproc-per-node={self.world_size}",
+            "--max-restarts=0",
+            f"--log-dir={self.job_dir / 'torchrun'}",
+            "-m",
+            "grader.rank.worker",
+            str(self.job_dir),
+        ]
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+        env.pop("TORCH_DISTRIBUTED_DEBUG", None)
+        with open(self.job_dir / "torchrun.log", "wb") as log:
+            self._process = subprocess.Popen(
+                command,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=env,
+                start_new_session=True,
+            )
+
+    def running(self) -> bool:
+        return self._process is not None and self._process.poll() is None
+
+    def kill(self) -> None:
+        """End torchrun and every process it started; idempotent."""
+        if self._process is None:
+            return
+        _signal_group(self._process.pid, signal.SIGKILL)
+        self._process.wait()
+
+    def log_tail(self, lines: int = 5) -> str:
+        try:
+            text = (self.job_dir / "torchrun.log").read_text(errors="replace")
+        except OSError:
+            return ""
+        useful = [
+            line for line in text.splitlines() if line.strip() and "OMP_NUM_THREADS" not in line
+        ]
+        return "\n".join(useful[-lines:])
+
+    def __enter__(self) -> TorchrunJob:
+        self.start()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.kill()
+
+
+def _signal_group(pgid: int, sig: signal.Signals) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def process_alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie, dead but not yet reaped by torchrun, does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return True

@@ -1,0 +1,162 @@
+"""The pytest plugin that runs graded tests on one rank and reports each one as it ends.
+
+Around every test it
+
+1. waits at a store barrier until every rank is there (so a slow rank is
+   never mistaken for a hung one by the process group's short timeout),
+2. creates a fresh default process group: a message a previous test sent and
+   never received cannot reach this one,
+3. guards the built-in collectives if the part forbids them,
+4. after the test, destroys the group and appends one ``end`` record with
+   the rank's outcome and the first thing a student should fix.
+
+The supervisor, not this plugin, decides the test's verdict: a rank that
+never writes its ``end`` record has not passed.
+"""
+
+from __future__ import annotations
+
+import datetime
+import time
+from collections.abc import Generator
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from grader import protocol
+from grader.protocol import PlannedTest, ReportWriter
+from grader.rank import context, forbid
+from grader.rank.context import SubmissionImportError, TestContext
+from grader.rank.frames import student_frames
+from grader.rank.p2p import CommunicationTimeout, PeerGone
+
+_BARRIER_TIMEOUT = datetime.timedelta(hours=1)  # the supervisor's watchdog ends real hangs
+
+
+class RankHarness:
+    def __init__(
+        self,
+        tests: list[PlannedTest],
+        store: dist.Store,
+        rank: int,
+        world_size: int,
+        backend: str,
+        device: torch.device,
+        report: ReportWriter,
+        attempt: int,
+    ) -> None:
+        self.tests = {t.nodeid: t for t in tests}
+        self.order = [t.nodeid for t in tests]
+        self.store = store
+        self.rank = rank
+        self.world_size = world_size
+        self.backend = backend
+        self.device = device
+        self.report = report
+        self.attempt = attempt
+        self._outcome: tuple[str, str, dict[str, Any]] | None = None
+        self._group_error: Exception | None = None
+
+    # -- collection: run exactly the planned tests, in the planned order ---------------
+
+    def pytest_collection_modifyitems(
+        self, config: pytest.Config, items: list[pytest.Item]
+    ) -> None:
+        by_id = {item.nodeid: item for item in items}
+        items[:] = [by_id[nodeid] for nodeid in self.order if nodeid in by_id]
+
+    # -- one test -----------------------------------------------------------------------
+
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_protocol(self, item: pytest.Item, nextitem: pytest.Item | None) -> Any:
+        test = self.tests[item.nodeid]
+        self.report.write("start", test=test.id, time=time.time())
+        self._outcome = None
+        ctx = TestContext(test, self.rank, self.world_size, self.device, self.report)
+        self._group_error = None
+        try:
+            self._fresh_group(test)
+        except Exception as err:  # a peer that died between tests
+            self._group_error = err
+            self._outcome = (protocol.ERROR, f"could not form the process group: {err}", {})
+        context.set_current(ctx)
+        if test.forbid_collectives:
+            forbid.activate()
+        try:
+            yield
+        finally:
+            violations = forbid.deactivate()
+            context.set_current(None)
+            if dist.is_initialized():
+                try:
+                    dist.destroy_process_group()
+                except Exception:  # a group broken by the test; the next one is new
+                    pass
+            outcome, message, extra = self._outcome or (protocol.PASSED, "", {})
+            if violations:
+                outcome, message = protocol.FORBIDDEN, violations[0]
+            self.report.write(
+                "end",
+                test=test.id,
+                time=time.time(),
+                outcome=outcome,
+                message=message,
+                extra={**ctx.extra, **extra},
+            )
+
+    def pytest_runtest_setup(self, item: pytest.Item) -> None:
+        if self._group_error is not None:
+            raise self._group_error
+
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_makereport(
+        self, item: pytest.Item, call: pytest.CallInfo[None]
+    ) -> Generator[None, Any, None]:
+        outcome = yield
+        report: pytest.TestReport = outcome.get_result()
+        if report.failed and self._outcome is None:
+            self._outcome = classify(call.excinfo, report)
+
+    def _fresh_group(self, test: PlannedTest) -> None:
+        prefix = f"attempt{self.attempt}/{test.id}/"
+        self._store_barrier(prefix + "arrived")
+        dist.init_process_group(
+            self.backend,
+            store=dist.PrefixStore(prefix, self.store),
+            rank=self.rank,
+            world_size=self.world_size,
+            timeout=datetime.timedelta(seconds=test.op_timeout),
+        )
+
+    def _store_barrier(self, key: str) -> None:
+        if self.store.add(key, 1) == self.world_size:
+            self.store.set(key + "/all", "1")
+        self.store.wait([key + "/all"], _BARRIER_TIMEOUT)
+
+
+def classify(
+    excinfo: pytest.ExceptionInfo[BaseException] | None, report: pytest.TestReport
+) -> tuple[str, str, dict[str, Any]]:
+    """Turn how a test failed on this rank into (outcome, message, extra)."""
+    if excinfo is None:
+        return protocol.ERROR, report.longreprtext.strip().splitlines()[-1], {}
+    err = excinfo.value
+    frames = student_frames(excinfo.tb)
+    at = f" (at {frames[-1]})" if frames else ""
+    if isinstance(err, forbid.ForbiddenCall):
+        return protocol.FORBIDDEN, str(err), {}
+    if isinstance(err, CommunicationTimeout):
+        return protocol.TIMEOUT, str(err), {"waiting_for": err.peer if err.peer >= 0 else None}
+    if isinstance(err, PeerGone):
+        return protocol.ERROR, str(err), {"peer_gone": True}
+    if isinstance(err, SubmissionImportError):
+        return protocol.ERROR, str(err), {}
+    if isinstance(err, NotImplementedError) and frames:
+        function = frames[-1].split(" in ")[-1].split(":")[0]
+        return protocol.FAILED, f"not implemented yet: {function} raises NotImplementedError", {}
+    if isinstance(err, AssertionError):
+        return protocol.FAILED, str(err).split("\nassert ")[0].strip() or "assertion failed", {}
+    detail = str(err).strip().splitlines()[0] if str(err).strip() else ""
+    return protocol.ERROR, f"{type(err).__name__}: {detail}{at}".strip(), {}

@@ -1,0 +1,81 @@
+"""The program torchrun starts on every rank: ``python -m grader.rank.worker JOB_DIR``.
+
+It reads the plan, puts the submission on the import path, installs the
+guards (before any student code is imported, so that nothing escapes them),
+and runs the planned graded tests with pytest and the :class:`RankHarness`.
+Its stdout and stderr go to the rank's log file: a student's prints must not
+garble the grader's terminal.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import os
+import signal
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from grader import protocol
+from grader.config import GRADED_DIR, REPO_ROOT
+from grader.rank import forbid, frames, p2p
+from grader.rank.harness import RankHarness
+
+
+def main(job_dir: Path) -> int:
+    rank = int(os.environ["RANK"])
+    world_size = int(os.environ["WORLD_SIZE"])
+    log = os.open(protocol.log_path(job_dir, rank), os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+    stacks = open(protocol.stacks_path(job_dir, rank), "w")  # noqa: SIM115 - lives as long as the rank
+    faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
+
+    plan = protocol.Plan.read(job_dir)
+    report = protocol.ReportWriter(protocol.report_path(job_dir, rank))
+    import_dir = Path(plan.import_dir)
+    sys.path[:0] = [str(import_dir), str(REPO_ROOT)]
+    frames.configure(import_dir)
+    p2p.install(protocol.waiting_path(job_dir, rank))
+    forbid.install()
+
+    device = torch.device("cpu")
+    if plan.backend == "nccl":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
+        torch.cuda.set_device(device)
+    store, _, _ = next(dist.rendezvous("env://"))
+    report.write("ready", rank=rank, pid=os.getpid())
+
+    harness = RankHarness(
+        plan.tests, store, rank, world_size, plan.backend, device, report, plan.attempt
+    )
+    nodeids = list(dict.fromkeys(str(GRADED_DIR / t.nodeid) for t in plan.tests))
+    pytest.main(
+        [
+            *nodeids,
+            f"--rootdir={GRADED_DIR}",
+            "-c",
+            str(GRADED_DIR / "pytest.ini"),
+            "--import-mode=importlib",
+            "-p",
+            "no:cacheprovider",
+            "-p",
+            "no:timeout",
+            "-q",
+        ],
+        plugins=[harness],
+    )
+    report.write("finished")
+    return 0
+
+
+if __name__ == "__main__":
+    code = main(Path(sys.argv[1]))
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Skip interpreter teardown: a process group broken by a student can abort it,
+    # and every result is already on disk.
+    os._exit(code)

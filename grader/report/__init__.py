@@ -1,0 +1,1 @@
+"""Reporting: the terminal for people, results.json (Gradescope's format) for machines."""
