@@ -19,11 +19,12 @@ from types import FrameType
 
 from rich.console import Console
 
-from grader.catalog import collect
+from grader.catalog import GradedTest, collect
 from grader.config import DEFAULT_CONFIG, ConfigError, load_config
 from grader.grading import Listener, grade
 from grader.report.results import to_gradescope, write_results
 from grader.report.terminal import ProgressDisplay, print_summary
+from grader.report.timeline import draw_failed_schedules
 from grader.submission import SubmissionError, resolve
 
 EXIT_PASSED, EXIT_FAILED, EXIT_CANNOT_GRADE = 0, 1, 2
@@ -48,6 +49,20 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--submission", metavar="DIR", help="default: the repository's assignments/")
     run.add_argument("--results", metavar="FILE", type=Path, help="write results.json here")
     run.add_argument("--backend", choices=("auto", "gloo", "nccl"), default="auto")
+    run.add_argument(
+        "-k",
+        dest="keyword",
+        metavar="TEXT",
+        help="grade only the tests whose name contains TEXT (e.g. -k all_reduce)",
+    )
+    run.add_argument(
+        "--world-size",
+        dest="world_sizes",
+        metavar="N",
+        type=int,
+        action="append",
+        help="grade only at world size N (repeatable)",
+    )
     listing = commands.add_parser("list", help="list the parts, their tests and points")
     listing.add_argument("parts", nargs="*", metavar="PART")
     return parser
@@ -64,11 +79,26 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "list":
             return _list(console, config, parts)
         submission = resolve(args.submission)
-        tests = collect(config, parts)
+        tests = select(collect(config, parts), args.keyword, args.world_sizes)
     except (_UsageError, ConfigError, SubmissionError) as err:
         print(f"grader: error: {err}", file=sys.stderr)
         return EXIT_CANNOT_GRADE
     return _run(console, tests, submission, args.backend, args.results)
+
+
+def select(
+    tests: list[GradedTest], keyword: str | None, world_sizes: list[int] | None
+) -> list[GradedTest]:
+    """The tests ``-k`` and ``--world-size`` keep; keeping none is a usage error."""
+    kept = [
+        t
+        for t in tests
+        if (keyword is None or keyword in t.name)
+        and (not world_sizes or t.world_size in world_sizes)
+    ]
+    if not kept:
+        raise _UsageError("no graded test matches the selection (-k / --world-size)")
+    return kept
 
 
 def _run(console: Console, tests, submission: Path, backend: str, results_file: Path | None) -> int:  # noqa: ANN001
@@ -86,6 +116,7 @@ def _run(console: Console, tests, submission: Path, backend: str, results_file: 
         maximum = sum(r.max_score for r in results)
         summary = f"{total:g} / {maximum:g} points; {sum(r.verdict.passed for r in results)} of {len(results)} tests passed"
         try:
+            draw_failed_schedules(results, results_file.parent)
             write_results(results_file, to_gradescope(results, seconds, summary))
         except OSError as err:
             print(f"grader: error: cannot write {results_file}: {err.strerror}", file=sys.stderr)

@@ -57,17 +57,61 @@ def judge(results: dict[int, RankResult], world_size: int, seconds: float = 0.0)
     extra = dict(per_rank[0].extra)
     extra.pop("peer_gone", None)
     extra["rank_outcomes"] = [per_rank[r].outcome for r in range(world_size)]
+    if any("per_rank" in res.extra for res in per_rank.values()):
+        # What each rank observed of itself (its schedule, its messages), in rank order.
+        extra["per_rank"] = [per_rank[r].extra.get("per_rank") for r in range(world_size)]
     if all(r.outcome == protocol.PASSED for r in per_rank.values()):
         return Verdict(protocol.PASSED, "", extra, seconds)
 
     failing = {r: res for r, res in per_rank.items() if res.outcome != protocol.PASSED}
-    causes = {r: res for r, res in failing.items() if not res.is_echo} or failing
+    echoes = _echoes(per_rank)
+    causes = {r: res for r, res in failing.items() if r not in echoes} or failing
     outcome = min((res.outcome for res in causes.values()), key=_PRIORITY.index)
     if outcome == protocol.TIMEOUT:
         message = _timeout_message(per_rank)
     else:
         message = _first_message(causes, outcome)
+        waited = sorted(
+            r for r in failing if r not in causes and per_rank[r].outcome == protocol.TIMEOUT
+        )
+        if waited:
+            message += f"; then rank{'s' if len(waited) > 1 else ''} {_ranks(waited)} waited for it in vain"
     return Verdict(outcome, message, extra, seconds)
+
+
+def _echoes(per_rank: dict[int, RankResult]) -> set[int]:
+    """The ranks whose failure only echoes another's.
+
+    A peer that closed the connection, or a wait for a rank that had already
+    left the test after failing its own checks (or that waits in vain itself),
+    are consequences, not causes.
+    """
+    echoes = {r for r, res in per_rank.items() if res.is_echo}
+    left_failing = {
+        r
+        for r, res in per_rank.items()
+        if res.outcome in (protocol.FAILED, protocol.ERROR, protocol.FORBIDDEN) and not res.is_echo
+    }
+    changed = True
+    while changed:
+        changed = False
+        for r, res in per_rank.items():
+            peer = res.extra.get("waiting_for")
+            if (
+                r not in echoes
+                and res.outcome == protocol.TIMEOUT
+                and (
+                    peer in left_failing
+                    or (
+                        peer in echoes
+                        and peer not in left_failing
+                        and per_rank[peer].outcome == protocol.TIMEOUT
+                    )
+                )
+            ):
+                echoes.add(r)
+                changed = True
+    return echoes
 
 
 def _first_message(causes: dict[int, RankResult], outcome: str) -> str:
@@ -79,20 +123,45 @@ def _first_message(causes: dict[int, RankResult], outcome: str) -> str:
 
 
 def _timeout_message(per_rank: dict[int, RankResult]) -> str:
-    """Say who waits for whom: a deadlock is a cycle of ranks each waiting for the next."""
-    stuck = {r: res for r, res in per_rank.items() if res.outcome == protocol.TIMEOUT}
-    waits = [
-        f"rank {r} {res.message}" if res.message else f"rank {r} is stuck"
-        for r, res in sorted(stuck.items())
-    ]
-    cycle = _wait_cycle({r: res.extra.get("waiting_for") for r, res in stuck.items()})
+    """Say who waits for whom: a deadlock is a cycle of ranks each waiting for the next.
+
+    A rank whose wait ended because its peer gave up first still waited: it
+    belongs in the cycle as much as the rank that timed out.
+    """
+    waiting = {
+        r: res
+        for r, res in per_rank.items()
+        if res.outcome == protocol.TIMEOUT or res.extra.get("waiting_for") is not None
+    }
+    waits = {r: _wait_text(r, res) for r, res in sorted(waiting.items())}
+    cycle = _wait_cycle({r: res.extra.get("waiting_for") for r, res in waiting.items()})
+    if len(cycle) == 2 and _sends(waiting[cycle[0]]) != _sends(waiting[cycle[1]]):
+        a, b = cycle if _sends(waiting[cycle[0]]) else cycle[::-1]
+        return (
+            f"rank {a}'s send to rank {b} and rank {b}'s receive from rank {a} never matched "
+            f"(different sizes, or another message got in between): {waits[a]}; {waits[b]}"
+        )
     if cycle:
-        head = "deadlock: " + " while ".join(f"rank {r} {stuck[r].message}" for r in cycle)
-        rest = [w for r, w in zip(sorted(stuck), waits) if r not in cycle]
-        return head + ("; " + "; ".join(rest) if rest else "")
-    done = [r for r, res in per_rank.items() if res.outcome not in (protocol.TIMEOUT,)]
-    tail = f"; rank{'s' if len(done) > 1 else ''} {_ranks(done)} had left the test" if done else ""
-    return "; ".join(waits) + tail
+        rest = [text for r, text in waits.items() if r not in cycle]
+        return (
+            "deadlock: "
+            + " while ".join(waits[r] for r in cycle)
+            + "".join(f"; {text}" for text in rest)
+        )
+    left = [r for r in per_rank if r not in waiting]
+    tail = (
+        f"; rank{'s' if len(left) > 1 else ''} {_ranks(left)} had finished the test" if left else ""
+    )
+    return "; ".join(waits.values()) + tail
+
+
+def _sends(result: RankResult) -> bool:
+    return result.message.startswith(("waits in send", "waits in isend"))
+
+
+def _wait_text(rank: int, result: RankResult) -> str:
+    text = result.message.removesuffix(" when a peer closed the connection")
+    return f"rank {rank} {text}" if text else f"rank {rank} is stuck"
 
 
 def _wait_cycle(waiting_for: dict[int, int | None]) -> list[int]:

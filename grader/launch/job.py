@@ -1,10 +1,11 @@
 """One torchrun job: started in its own session, so that it can be ended whole.
 
 Killing torchrun alone leaves its workers running (pytest-timeout issue #159),
-and a worker blocked in gloo, or one whose student code ignores signals, would
-outlive a polite request. The job is therefore started with
-``start_new_session=True`` and ended with SIGKILL to its whole process group:
-every result is on disk already, so there is nothing for a worker to save.
+and torchrun starts each worker in a session of its own, so that even its
+process group does not hold them. A job is therefore ended by SIGKILL to every
+process descended from torchrun, found through /proc *before* torchrun dies
+(afterwards its orphans belong to init), and then to torchrun's own group.
+Nothing is lost: every result is on disk already.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ class TorchrunJob:
         self.job_dir = job_dir
         self.world_size = world_size
         self._process: subprocess.Popen[bytes] | None = None
+        # The ranks' pids as they report them: ended too, even if torchrun is gone already.
+        self.worker_pids: set[int] = set()
 
     def start(self) -> None:
         command = [
@@ -55,6 +58,9 @@ class TorchrunJob:
         """End torchrun and every process it started; idempotent."""
         if self._process is None:
             return
+        workers = {pid for pid in self.worker_pids if _is_worker(pid)}  # not a reused pid
+        for pid in {*descendants(self._process.pid), *workers}:
+            _signal(pid, signal.SIGKILL)
         _signal_group(self._process.pid, signal.SIGKILL)
         self._process.wait()
 
@@ -79,6 +85,40 @@ class TorchrunJob:
         tb: TracebackType | None,
     ) -> None:
         self.kill()
+
+
+def descendants(root: int) -> list[int]:
+    """Every live process below ``root`` in the process tree (Linux /proc)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as stat:
+                    parent = int(stat.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(parent, []).append(int(entry))
+    found, frontier = [], [root]
+    while frontier:
+        for child in children.get(frontier.pop(), []):
+            found.append(child)
+            frontier.append(child)
+    return found
+
+
+def _is_worker(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as cmdline:
+            return b"grader.rank.worker" in cmdline.read()
+    except OSError:
+        return False
+
+
+def _signal(pid: int, sig: signal.Signals) -> None:
+    try:
+        os.kill(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
 
 
 def _signal_group(pgid: int, sig: signal.Signals) -> None:

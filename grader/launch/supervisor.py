@@ -174,6 +174,7 @@ class Supervisor:
         with TorchrunJob(job_dir, world_size) as job:
             while True:
                 run.read(self.on_start)
+                job.worker_pids.update(run.pids.values())
                 for watch in run.complete():
                     self._conclude(run, watch, judge(watch.results, world_size, watch.seconds()))
                 if len(run.judged) == len(tests) or len(run.finished) == world_size:
@@ -277,6 +278,17 @@ class Supervisor:
             else:
                 kept.append(test)
         return kept
+
+
+def _last_words(log: Path, limit: int = 240) -> str:
+    """The end of what a dead rank printed: often gloo's reason for aborting it."""
+    try:
+        lines = [line.strip() for line in log.read_text(errors="replace").splitlines()]
+    except OSError:
+        return ""
+    useful = [line for line in lines if line and not set(line) <= set(".FEsx[]%0123456789 ")]
+    text = " ".join(useful[-2:])
+    return text if len(text) <= limit else "..." + text[-limit:]
 
 
 def _launch_failure(job_dir: Path) -> str:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib
 import sys
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any
@@ -15,6 +16,7 @@ from typing import Any
 import torch
 
 from grader.protocol import PlannedTest, ReportWriter
+from grader.rank.accounting import CommLog, recording
 from grader.rank.frames import display_path, student_frames
 
 
@@ -56,6 +58,10 @@ class TestContext:
             ) from None
         self.report.write("imported", test=self.test.id, module=module)
         return loaded
+
+    def recording(self) -> AbstractContextManager[CommLog]:
+        """Log every message and collective call made inside the ``with`` block."""
+        return recording()
 
     def load_reference(self, part: str | None = None) -> ModuleType:
         return importlib.import_module(f"reference.{part or self.test.part}")

@@ -1,4 +1,4 @@
-"""Blocks torch.distributed's built-in collectives while a collectives test runs.
+"""Watches torch.distributed's built-in collectives: blocks them where forbidden, logs them elsewhere.
 
 The collectives part asks students to build every collective from
 point-to-point messages; calling ``dist.all_reduce`` would pass the
@@ -11,6 +11,10 @@ hands every call to the original.
 A blocked call raises :class:`ForbiddenCall`, a ``BaseException`` so that a
 student's ``except Exception`` does not swallow it, and is remembered, so
 that the test is graded ``forbidden`` even if the student catches it anyway.
+
+Where collectives are allowed, each call is handed to the active
+:class:`grader.rank.p2p.MessageLog`, if any, so that a test can count the
+all-reduces of a DataParallel step or see when the first one started.
 """
 
 from __future__ import annotations
@@ -19,10 +23,12 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
+import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 from torch._C import _distributed_c10d as _c10d_ext
 
+from grader.rank import p2p
 from grader.rank.frames import student_location
 
 # The collectives of torch.distributed's Python API ...
@@ -85,6 +91,7 @@ class ForbiddenCall(BaseException):  # noqa: N818 - it is a verdict, not an erro
 
 _active = False
 violations: list[str] = []
+_depth = 0  # dist.all_reduce calls ProcessGroup.allreduce: only the outermost call counts
 
 
 def install() -> None:
@@ -124,15 +131,32 @@ def _guard_attribute(owner: Any, name: str, label: str) -> None:
 def _guard(original: Callable, label: str) -> Callable:
     @functools.wraps(original)
     def guarded(*args: Any, **kwargs: Any) -> Any:
+        global _depth
         if not _active:
-            return original(*args, **kwargs)
+            if _depth == 0 and p2p.active_log is not None:
+                p2p.active_log.on_collective(label.rsplit(".", 1)[-1], _tensor_bytes(args, kwargs))
+            _depth += 1
+            try:
+                return original(*args, **kwargs)
+            finally:
+                _depth -= 1
         where = student_location()
-        message = f"called {label}" + (f" at {where}" if where else "")
-        violations.append(message)
-        raise ForbiddenCall(
-            f"{message}: built-in collectives are not allowed in this part; "
-            "build it from send/recv/isend/irecv"
+        message = (
+            f"called {label}" + (f" at {where}" if where else "") + ": built-in collectives are "
+            "not allowed in this part; build it from send/recv/isend/irecv"
         )
+        violations.append(message)
+        raise ForbiddenCall(message)
 
     guarded._grader_guarded = True  # type: ignore[attr-defined]
     return guarded
+
+
+def _tensor_bytes(args: tuple, kwargs: dict) -> int:
+    """The bytes of the first tensor (or list of tensors) among a call's arguments."""
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, torch.Tensor):
+            return value.numel() * value.element_size()
+        if isinstance(value, (list, tuple)) and value and isinstance(value[0], torch.Tensor):
+            return sum(t.numel() * t.element_size() for t in value)
+    return 0

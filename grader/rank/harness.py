@@ -148,9 +148,9 @@ def classify(
     if isinstance(err, forbid.ForbiddenCall):
         return protocol.FORBIDDEN, str(err), {}
     if isinstance(err, CommunicationTimeout):
-        return protocol.TIMEOUT, str(err), {"waiting_for": err.peer if err.peer >= 0 else None}
+        return protocol.TIMEOUT, str(err), {"waiting_for": _peer(err.peer)}
     if isinstance(err, PeerGone):
-        return protocol.ERROR, str(err), {"peer_gone": True}
+        return protocol.ERROR, str(err), {"peer_gone": True, "waiting_for": _peer(err.peer)}
     if isinstance(err, SubmissionImportError):
         return protocol.ERROR, str(err), {}
     if isinstance(err, NotImplementedError) and frames:
@@ -160,3 +160,7 @@ def classify(
         return protocol.FAILED, str(err).split("\nassert ")[0].strip() or "assertion failed", {}
     detail = str(err).strip().splitlines()[0] if str(err).strip() else ""
     return protocol.ERROR, f"{type(err).__name__}: {detail}{at}".strip(), {}
+
+
+def _peer(rank: int) -> int | None:
+    return rank if rank >= 0 else None

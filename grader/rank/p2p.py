@@ -18,9 +18,10 @@ globals, so they are covered by the same wrappers.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -48,17 +49,30 @@ class CommunicationTimeout(RuntimeError):
 class PeerGone(RuntimeError):
     """A peer closed its connection mid-call: the fault is the peer's, not this rank's."""
 
+    def __init__(self, call: str, peer: int) -> None:
+        super().__init__(f"waits in {call} when a peer closed the connection")
+        self.call = call
+        self.peer = peer
+
 
 class MessageLog:
-    """Receives every message of the calls it is active for (see grader.rank.accounting)."""
+    """Receives every message and collective call made while it is active.
+
+    ``on_recv`` is called when the message has arrived (``recv`` returned or
+    the ``irecv``'s request was waited), which is what the round count needs.
+    """
 
     def on_send(self, peer: int, nbytes: int, tag: int) -> None: ...
 
     def on_recv(self, peer: int, nbytes: int, tag: int) -> None: ...
 
+    def on_collective(self, name: str, nbytes: int) -> None: ...
+
 
 _waiting_file: Path | None = None
 active_log: MessageLog | None = None
+# torch's own recv may call irecv, which is wrapped too: only the outermost call counts.
+_depth = 0
 
 
 def install(waiting_file: Path) -> None:
@@ -112,7 +126,7 @@ def _translate(error: RuntimeError, call: str, peer: int) -> RuntimeError:
     if any(t in text for t in _TIMEOUT_TEXT):
         return CommunicationTimeout(call, peer)
     if any(t in text for t in _PEER_GONE_TEXT):
-        return PeerGone(f"{call} failed: a peer closed the connection")
+        return PeerGone(call, peer)
     return error
 
 
@@ -138,24 +152,43 @@ def _record(name: str, tensor: torch.Tensor, peer: int, tag: int) -> None:
         active_log.on_recv(peer, _nbytes(tensor), tag)
 
 
+@contextlib.contextmanager
+def _outermost() -> Iterator[bool]:
+    global _depth
+    _depth += 1
+    try:
+        yield _depth == 1
+    finally:
+        _depth -= 1
+
+
 def _blocking(name: str, original: Callable) -> Callable:
     @functools.wraps(original)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        call, peer, tag = _describe(name, original, args, kwargs)
-        tensor = args[0] if args else kwargs["tensor"]
-        if name == "send":
-            _record(name, tensor, peer, tag)
-        result = _waiting_on(call, peer, lambda: original(*args, **kwargs))
-        if name == "recv":
-            _record(name, tensor, peer if peer >= 0 else int(result), tag)
-        return result
+        with _outermost() as outermost:
+            if not outermost:
+                return original(*args, **kwargs)
+            return _watched_blocking(name, original, args, kwargs)
 
     return wrapper
+
+
+def _watched_blocking(name: str, original: Callable, args: tuple, kwargs: dict) -> Any:
+    call, peer, tag = _describe(name, original, args, kwargs)
+    tensor = args[0] if args else kwargs["tensor"]
+    if name == "send":
+        _record(name, tensor, peer, tag)
+    result = _waiting_on(call, peer, lambda: original(*args, **kwargs))
+    if name == "recv":
+        _record(name, tensor, peer if peer >= 0 else int(result), tag)
+    return result
 
 
 def _posting(name: str, original: Callable) -> Callable:
     @functools.wraps(original)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
+        if _depth:
+            return original(*args, **kwargs)
         call, peer, tag = _describe(name, original, args, kwargs)
         tensor = args[0] if args else kwargs["tensor"]
         if name == "isend":
@@ -179,7 +212,8 @@ class TrackedWork:
         self._on_done = on_done
 
     def wait(self, *args: Any, **kwargs: Any) -> Any:
-        result = _waiting_on(self._call, self._peer, lambda: self._work.wait(*args, **kwargs))
+        with _outermost():
+            result = _waiting_on(self._call, self._peer, lambda: self._work.wait(*args, **kwargs))
         self._done()
         return result
 

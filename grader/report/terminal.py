@@ -12,6 +12,7 @@ from grader import protocol
 from grader.catalog import GradedTest
 from grader.judge.verdict import Verdict
 from grader.report.results import GradedResult
+from grader.report.timeline import terminal_table, timelines_of
 
 OUTCOME_STYLE = {
     protocol.PASSED: "green",
@@ -74,6 +75,11 @@ def print_summary(console: Console, results: list[GradedResult], seconds: float)
                     f"{result.verdict.message}",
                     highlight=False,
                 )
+                drawn = timelines_of(result.verdict.extra)
+                if drawn:
+                    console.print(
+                        terminal_table(*drawn, title="  schedule (F = forward, B = backward)")
+                    )
             console.print()
     total = sum(r.score for r in results)
     maximum = sum(r.max_score for r in results)

@@ -1,0 +1,217 @@
+"""Assignment: the collective operations, built from point-to-point messages.
+
+Implement the eight collectives below using only ``torch.distributed.send``, ``recv``,
+``isend``, ``irecv``, ``batch_isend_irecv`` and ``P2POp``, plus local tensor math
+(``torch.cat``, slicing, ``+``, ``copy_`` ...). Calling any built-in collective of
+``torch.distributed`` or of a process group (``all_reduce``, ``broadcast``, ``barrier``,
+``all_gather_into_tensor`` ...) is forbidden: the grader blocks them while it grades this
+file, and a call fails the test. Private helper functions of your own are welcome.
+
+Every rank calls each function together with the others, with tensors of the same shape and
+dtype on every rank. The grader checks results for correctness and measures time and bytes
+sent, so aim for the classic bandwidth-efficient algorithms named in each docstring.
+
+What must work, and the usual pitfalls:
+
+* Any world size p: 1, 2, 3, 4, 5 ..., not only powers of two. With p == 1 nothing is sent.
+* Any size: not divisible by p, and smaller than p (1 element on 4 ranks). When you split a
+  buffer into p pieces (``torch.tensor_split`` makes sizes differ by at most one), some
+  pieces may be empty; skip or send them, but the sender and receiver must agree.
+* Any dtype torch can add: float32, float64, bfloat16, int64. Sums are element-wise ``+``.
+* Non-contiguous tensors (e.g. ``x[:, ::2]``): gloo refuses to send or receive into them
+  ("input tensor has to be contiguous"). Work on a contiguous flat copy
+  (``t.reshape(-1).clone()`` or ``t.contiguous().view(-1)``) and copy the result back.
+* Results are in place: write into the caller's tensor objects with ``copy_``; rebinding a
+  local name (``tensor = ...``) changes nothing for the caller.
+* Arguments that are not outputs must be left unchanged (input lists, and ``reduce``'s tensor
+  on ranks other than ``dst``): do not accumulate partial sums in them.
+* On gloo a blocking ``send`` waits until the peer posts the matching receive. Two ranks that
+  ``send`` to each other at the same time deadlock. Post the send with ``isend`` (or use
+  ``batch_isend_irecv``), do the receive, then ``wait()`` the send.
+* Every message sent must be received: a stray message is delivered to the next receive from
+  that peer and corrupts later calls.
+* ``group``: ``None`` means the default (world) group. Lists are indexed by rank in the group
+  (``dist.get_rank(group)``, ``dist.get_world_size(group)``); ``src``/``dst`` are global
+  ranks, as in ``torch.distributed``. send/recv take global ranks:
+  ``dist.get_global_rank(group, r)`` converts a group rank when ``group`` is not ``None``,
+  and ``dist.get_group_rank(group, src)`` goes the other way.
+
+Costs below are for p ranks and n bytes: rounds of messages, and bytes sent by the busiest
+rank. Background: Thakur, Rabenseifner & Gropp, "Optimization of Collective Communication
+Operations in MPICH" (2005); Chan et al., "Collective communication: theory, practice, and
+experience" (2007); Patarasuk & Yuan, "Bandwidth optimal all-reduce algorithms for clusters
+of workstations" (2009).
+"""
+
+from __future__ import annotations
+
+import torch  # noqa: F401
+import torch.distributed as dist  # noqa: F401
+from torch import Tensor
+from torch.distributed import ProcessGroup
+
+
+def broadcast(tensor: Tensor, src: int, group: ProcessGroup | None = None) -> None:
+    """Make every rank's ``tensor`` hold ``src``'s values, in place.
+
+    Args:
+        tensor: input on ``src`` (leave it unchanged there), output on the other ranks;
+            the same shape and dtype on every rank.
+        src: global rank of the source.
+        group: process group, ``None`` for the world.
+
+    Algorithms:
+        * Binomial tree: ceil(log2 p) rounds, but the root sends n bytes in every round.
+        * van de Geijn (aim for this one): scatter p pieces of the buffer from the root with a
+          binomial tree, then ring all-gather the pieces. About log2 p + p - 1 rounds; the
+          busiest rank sends 2(p-1)/p n < 2n bytes, whatever p. Lower bound: n.
+
+    Number ranks relative to the root, ``(rank - src) % p``, so any root works.
+    """
+    raise NotImplementedError("collectives.broadcast: not implemented yet")
+
+
+def reduce(tensor: Tensor, dst: int, group: ProcessGroup | None = None) -> None:
+    """Make ``dst``'s ``tensor`` hold the element-wise sum over all ranks, in place.
+
+    Args:
+        tensor: every rank's contribution. On ``dst`` it is overwritten with the sum; on every
+            other rank it must be left unchanged (no partial sums left behind).
+        dst: global rank that receives the sum.
+        group: process group, ``None`` for the world.
+
+    Algorithms:
+        * Binomial tree: ceil(log2 p) rounds; a rank sends n bytes, the root adds
+          up to log2 p full-size tensors.
+        * Rabenseifner (aim for this one): reduce-scatter the buffer into p pieces (ring, or
+          recursive halving when p is a power of two), so rank i holds the full sum of
+          piece i, then gather the pieces to the root with a binomial tree. The busiest rank
+          sends < 2n bytes. Lower bound: n. Do it on a private copy of ``tensor``.
+    """
+    raise NotImplementedError("collectives.reduce: not implemented yet")
+
+
+def all_reduce(tensor: Tensor, group: ProcessGroup | None = None) -> None:
+    """Make every rank's ``tensor`` hold the element-wise sum over all ranks, in place.
+
+    Args:
+        tensor: input and output, the same shape and dtype on every rank.
+        group: process group, ``None`` for the world.
+
+    Algorithms:
+        * Recursive doubling: log2 p rounds, n bytes per round (p a power of two).
+        * Ring (aim for this one; Patarasuk & Yuan 2009): split the flat buffer into p
+          pieces; ring reduce-scatter (p-1 steps: send one piece to rank r+1, receive one
+          from rank r-1 and add it) leaves rank r with the full sum of one piece; ring
+          all-gather (p-1 steps) circulates the summed pieces. 2(p-1) rounds; every rank
+          sends 2(p-1)/p n bytes, which is the lower bound.
+
+    Sending and receiving in the same step needs ``isend``/``irecv`` (see the module notes).
+    """
+    raise NotImplementedError("collectives.all_reduce: not implemented yet")
+
+
+def scatter(
+    tensor: Tensor, scatter_list: list[Tensor] | None, src: int, group: ProcessGroup | None = None
+) -> None:
+    """Make rank r's ``tensor`` hold ``scatter_list[r]`` of ``src``, in place.
+
+    Args:
+        tensor: output on every rank (``src`` included), the shape of one list entry.
+        scatter_list: on ``src``, p tensors shaped like ``tensor``, indexed by group rank;
+            leave them unchanged. ``None`` on the other ranks.
+        src: global rank of the source.
+        group: process group, ``None`` for the world.
+
+    Algorithms:
+        * Linear: the root sends p-1 messages one after the other: p-1 rounds.
+        * Binomial tree (aim for this one): with ranks numbered relative to the root, a
+          rank receives from its parent the entries of its whole subtree in one message,
+          then hands half of them to each child, the biggest subtree first. ceil(log2 p)
+          rounds; the root sends (p-1)/p n bytes (n = the whole list), the lower bound.
+          It must work for any p, not only powers of two.
+    """
+    raise NotImplementedError("collectives.scatter: not implemented yet")
+
+
+def gather(
+    tensor: Tensor, gather_list: list[Tensor] | None, dst: int, group: ProcessGroup | None = None
+) -> None:
+    """On ``dst``, make ``gather_list[r]`` hold rank r's ``tensor``, in place.
+
+    Args:
+        tensor: every rank's input; leave it unchanged.
+        gather_list: on ``dst``, p output tensors shaped like ``tensor``, indexed by group
+            rank; fill each with ``copy_``. ``None`` on the other ranks.
+        dst: global rank that gathers.
+        group: process group, ``None`` for the world.
+
+    Algorithms:
+        * Linear: the root receives p-1 messages: p-1 rounds.
+        * Binomial tree (aim for this one), the mirror of ``scatter``: each rank collects its
+          children's subtrees, then sends its whole subtree to its parent in one message.
+          ceil(log2 p) rounds; the root receives (p-1)/p n bytes (n = all entries together).
+    """
+    raise NotImplementedError("collectives.gather: not implemented yet")
+
+
+def all_gather(
+    tensor_list: list[Tensor], tensor: Tensor, group: ProcessGroup | None = None
+) -> None:
+    """On every rank, make ``tensor_list[r]`` hold rank r's ``tensor``, in place.
+
+    Args:
+        tensor_list: p output tensors shaped like ``tensor``, indexed by group rank.
+        tensor: this rank's input; leave it unchanged.
+        group: process group, ``None`` for the world.
+
+    Algorithms:
+        * Recursive doubling: log2 p rounds, (p-1)/p n bytes (p a power of two).
+        * Ring (aim for this one): at step s = 0..p-2, rank r sends the entry it got at the
+          previous step (its own at s = 0) to rank r+1 and receives a new one from rank r-1.
+          p-1 rounds; every rank sends (p-1)/p n bytes (n = the whole output), the lower
+          bound, for any p.
+    """
+    raise NotImplementedError("collectives.all_gather: not implemented yet")
+
+
+def reduce_scatter(
+    output: Tensor, input_list: list[Tensor], group: ProcessGroup | None = None
+) -> None:
+    """Make rank r's ``output`` hold the element-wise sum over ranks of their ``input_list[r]``.
+
+    Args:
+        output: this rank's result, in place; the shape of one list entry.
+        input_list: p tensors shaped like ``output``, indexed by group rank; leave them
+            unchanged (accumulate in a private copy).
+        group: process group, ``None`` for the world.
+
+    Algorithms:
+        * Recursive halving: log2 p rounds, (p-1)/p n bytes (p a power of two).
+        * Ring (aim for this one): at step s = 0..p-2, rank r sends its partial sum of one
+          entry to rank r+1 and adds the partial sum of another entry received from rank
+          r-1; choose the order so that rank r ends with the full sum of entry r.
+          p-1 rounds; every rank sends (p-1)/p n bytes (n = the whole input list).
+    """
+    raise NotImplementedError("collectives.reduce_scatter: not implemented yet")
+
+
+def all_to_all(
+    output_list: list[Tensor], input_list: list[Tensor], group: ProcessGroup | None = None
+) -> None:
+    """On rank r, make ``output_list[s]`` hold rank s's ``input_list[r]``, in place.
+
+    Args:
+        output_list: p output tensors, indexed by the sending group rank.
+        input_list: p input tensors, indexed by the receiving group rank; leave them
+            unchanged. ``input_list[r]`` on rank s is shaped like ``output_list[s]`` on r.
+        group: process group, ``None`` for the world.
+
+    Algorithms:
+        * Bruck: ceil(log2 p) rounds but about n/2 log2 p bytes (good for short messages).
+        * Pairwise exchange (aim for this one): copy your own entry locally, then at step
+          k = 1..p-1 send ``input_list[(r+k) % p]`` to rank r+k while receiving
+          ``output_list[(r-k) % p]`` from rank r-k, both at once. p-1 rounds; every rank
+          sends (p-1)/p n bytes (n = its whole input list), the lower bound.
+    """
+    raise NotImplementedError("collectives.all_to_all: not implemented yet")
