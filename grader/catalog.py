@@ -46,7 +46,13 @@ class _Collector:
     def pytest_collection_modifyitems(self, items: list[pytest.Item]) -> None:
         for item in items:
             marker = item.get_closest_marker("graded")
-            self.items.append((item.nodeid, item.name, marker.kwargs if marker else None))
+            kwargs = dict(marker.kwargs) if marker else None
+            params = getattr(getattr(item, "callspec", None), "params", {})
+            if kwargs and "target" in kwargs and params:
+                # A parametrized test may name its target after its parameters:
+                # target="collectives.{function}".
+                kwargs["target"] = kwargs["target"].format(**params)
+            self.items.append((item.nodeid, item.name, kwargs))
 
     def pytest_collectreport(self, report: pytest.CollectReport) -> None:
         if report.failed:
@@ -56,7 +62,7 @@ class _Collector:
 def collect(config: GradingConfig, parts: list[str]) -> list[GradedTest]:
     """Every graded test of ``parts``, each at every world size it runs at."""
     collector = _Collector()
-    files = [str(config.part(p).file) for p in parts]
+    files = [str(f) for p in parts for f in config.part(p).files]
     with contextlib.redirect_stdout(io.StringIO()):
         pytest.main(
             [
@@ -74,7 +80,7 @@ def collect(config: GradingConfig, parts: list[str]) -> list[GradedTest]:
         )
     if collector.errors:
         raise ConfigError("cannot collect the graded tests: " + "; ".join(collector.errors))
-    file_to_part = {config.part(p).file.name: p for p in parts}
+    file_to_part = {f.name: p for p in parts for f in config.part(p).files}
     tests = []
     for nodeid, item_name, marker in collector.items:
         part = file_to_part.get(nodeid.split("::")[0])
@@ -107,5 +113,5 @@ def _check_overrides_exist(
             if (part, name) not in names:
                 raise ConfigError(
                     f"{config.path.name}: {part}.tests.{name} names no graded test "
-                    f"(there is no test_{name} in {config.part(part).file.name})"
+                    f"(there is no test_{name} in {', '.join(f.name for f in config.part(part).files)})"
                 )

@@ -41,7 +41,7 @@ class TestSettings:
 @dataclass(frozen=True)
 class PartConfig:
     name: str
-    file: Path
+    files: tuple[Path, ...]
     defaults: TestSettings
     overrides: dict[str, dict[str, Any]]
 
@@ -96,10 +96,12 @@ def _part(name: str, body: Any, base_dir: Path, path: Path) -> PartConfig:
     if unknown:
         raise ConfigError(f"{path}: part '{name}' has unknown keys: {', '.join(sorted(unknown))}")
     if "file" not in body:
-        raise ConfigError(f"{path}: part '{name}' needs a 'file'")
-    file = base_dir / str(body["file"])
-    if not file.is_file():
-        raise ConfigError(f"{path}: part '{name}': test file {file} does not exist")
+        raise ConfigError(f"{path}: part '{name}' needs a 'file' (or a list of files)")
+    names = body["file"] if isinstance(body["file"], list) else [body["file"]]
+    files = tuple(base_dir / str(n) for n in names)
+    for file in files:
+        if not file.is_file():
+            raise ConfigError(f"{path}: part '{name}': test file {file} does not exist")
     settings = {k: v for k, v in body.items() if k in _SETTING_KEYS - {"options"}}
     defaults = _settings(settings, name, base=None, options=dict(body.get("options") or {}))
     overrides = body.get("tests") or {}
@@ -110,7 +112,7 @@ def _part(name: str, body: Any, base_dir: Path, path: Path) -> PartConfig:
         if bad:
             raise ConfigError(f"{path}: {name}.tests.{test}: unknown keys {', '.join(sorted(bad))}")
         _settings(dict(keys), f"{name}.tests.{test}", base=defaults, options={})
-    return PartConfig(name=name, file=file, defaults=defaults, overrides=overrides)
+    return PartConfig(name=name, files=files, defaults=defaults, overrides=overrides)
 
 
 def _settings(

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from grader import protocol
 from grader.catalog import GradedTest
+from grader.judge.costs import COST_KINDS, assess, gate
 from grader.judge.verdict import Verdict
 from grader.launch.supervisor import Supervisor, SupervisorSettings
 from grader.report.results import GradedResult
@@ -40,11 +41,11 @@ def choose_backend(requested: str, world_size: int) -> str:
 
 
 def score(test: GradedTest, verdict: Verdict) -> float:
-    """Full points for a pass; a test may award a fraction of them (performance tests do)."""
-    if not verdict.passed:
-        return 0.0
-    fraction = verdict.extra.get("fraction", 1.0)
-    return test.settings.points * min(1.0, max(0.0, float(fraction)))
+    """Full points for a pass; a cost test earns the fraction its judge gave it."""
+    if test.kind in COST_KINDS and verdict.outcome in (protocol.PASSED, protocol.FAILED):
+        fraction = float(verdict.extra.get("fraction", 1.0 if verdict.passed else 0.0))
+        return test.settings.points * min(1.0, max(0.0, fraction))
+    return test.settings.points if verdict.passed else 0.0
 
 
 def grade(
@@ -59,9 +60,12 @@ def grade(
     does it) and the tests not yet judged are reported as not run.
     """
     verdicts: dict[str, Verdict] = {}
+    known: dict[str, tuple[GradedTest, Verdict]] = {}
 
     def record(test: GradedTest, verdict: Verdict) -> None:
+        verdict = gate(test, assess(test, verdict), known)
         verdicts[test.id] = verdict
+        known[test.id] = (test, verdict)
         listener.on_verdict(test, verdict)
 
     runnable = []

@@ -64,54 +64,41 @@ def judge(results: dict[int, RankResult], world_size: int, seconds: float = 0.0)
         return Verdict(protocol.PASSED, "", extra, seconds)
 
     failing = {r: res for r, res in per_rank.items() if res.outcome != protocol.PASSED}
-    echoes = _echoes(per_rank)
+    echoes, waited = _echoes(per_rank)
     causes = {r: res for r, res in failing.items() if r not in echoes} or failing
     outcome = min((res.outcome for res in causes.values()), key=_PRIORITY.index)
     if outcome == protocol.TIMEOUT:
         message = _timeout_message(per_rank)
     else:
         message = _first_message(causes, outcome)
-        waited = sorted(
-            r for r in failing if r not in causes and per_rank[r].outcome == protocol.TIMEOUT
-        )
-        if waited:
-            message += f"; then rank{'s' if len(waited) > 1 else ''} {_ranks(waited)} waited for it in vain"
+        in_vain = sorted(r for r in waited if r in failing and r not in causes)
+        if in_vain:
+            plural = "s" if len(in_vain) > 1 else ""
+            message += f"; then rank{plural} {_ranks(in_vain)} waited for it in vain"
     return Verdict(outcome, message, extra, seconds)
 
 
-def _echoes(per_rank: dict[int, RankResult]) -> set[int]:
-    """The ranks whose failure only echoes another's.
+def _echoes(per_rank: dict[int, RankResult]) -> tuple[set[int], set[int]]:
+    """The ranks whose failure only echoes another's, and among them those that waited in vain.
 
-    A peer that closed the connection, or a wait for a rank that had already
-    left the test after failing its own checks (or that waits in vain itself),
-    are consequences, not causes.
+    A rank that failed its own checks leaves the test; whoever waits for it,
+    directly or through a chain of waiting ranks, fails as a consequence. A
+    peer that closed the connection is a consequence too.
     """
-    echoes = {r for r, res in per_rank.items() if res.is_echo}
     left_failing = {
         r
         for r, res in per_rank.items()
         if res.outcome in (protocol.FAILED, protocol.ERROR, protocol.FORBIDDEN) and not res.is_echo
     }
+    waited: set[int] = set()
     changed = True
     while changed:
         changed = False
         for r, res in per_rank.items():
-            peer = res.extra.get("waiting_for")
-            if (
-                r not in echoes
-                and res.outcome == protocol.TIMEOUT
-                and (
-                    peer in left_failing
-                    or (
-                        peer in echoes
-                        and peer not in left_failing
-                        and per_rank[peer].outcome == protocol.TIMEOUT
-                    )
-                )
-            ):
-                echoes.add(r)
+            if r not in waited and res.extra.get("waiting_for") in left_failing | waited:
+                waited.add(r)
                 changed = True
-    return echoes
+    return waited | {r for r, res in per_rank.items() if res.is_echo}, waited
 
 
 def _first_message(causes: dict[int, RankResult], outcome: str) -> str:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib
 import sys
+from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from types import ModuleType
@@ -31,6 +32,7 @@ class TestContext:
     world_size: int
     device: torch.device
     report: ReportWriter
+    barrier: Callable[[], None] = lambda: None
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property

@@ -16,9 +16,10 @@ never writes its ``end`` record has not passed.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import time
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from typing import Any
 
 import pytest
@@ -74,7 +75,9 @@ class RankHarness:
         test = self.tests[item.nodeid]
         self.report.write("start", test=test.id, time=time.time())
         self._outcome = None
-        ctx = TestContext(test, self.rank, self.world_size, self.device, self.report)
+        ctx = TestContext(
+            test, self.rank, self.world_size, self.device, self.report, self._barrier_for(test)
+        )
         self._group_error = None
         try:
             self._fresh_group(test)
@@ -89,11 +92,6 @@ class RankHarness:
         finally:
             violations = forbid.deactivate()
             context.set_current(None)
-            if dist.is_initialized():
-                try:
-                    dist.destroy_process_group()
-                except Exception:  # a group broken by the test; the next one is new
-                    pass
             outcome, message, extra = self._outcome or (protocol.PASSED, "", {})
             if violations:
                 outcome, message = protocol.FORBIDDEN, violations[0]
@@ -105,6 +103,11 @@ class RankHarness:
                 message=message,
                 extra={**ctx.extra, **extra},
             )
+            # After the report: gloo may abort the process while tearing down a group that
+            # a test broke, and a rank that dies between tests costs no test its verdict.
+            if dist.is_initialized():
+                with contextlib.suppress(Exception):
+                    dist.destroy_process_group()
 
     def pytest_runtest_setup(self, item: pytest.Item) -> None:
         if self._group_error is not None:
@@ -129,6 +132,17 @@ class RankHarness:
             world_size=self.world_size,
             timeout=datetime.timedelta(seconds=test.op_timeout),
         )
+
+    def _barrier_for(self, test: PlannedTest) -> Callable[[], None]:
+        """A barrier through the store, not a collective: usable where collectives are forbidden."""
+        count = 0
+
+        def barrier() -> None:
+            nonlocal count
+            count += 1
+            self._store_barrier(f"attempt{self.attempt}/{test.id}/barrier{count}")
+
+        return barrier
 
     def _store_barrier(self, key: str) -> None:
         if self.store.add(key, 1) == self.world_size:

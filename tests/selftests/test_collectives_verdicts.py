@@ -1,0 +1,150 @@
+"""The verdicts a careful TA would give the collectives part, submission by submission."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from runner import SUBMISSIONS, run_grader
+
+FUNCTIONS = (
+    "broadcast",
+    "reduce",
+    "all_reduce",
+    "scatter",
+    "gather",
+    "all_gather",
+    "reduce_scatter",
+    "all_to_all",
+)
+
+
+def test_reference_earns_every_point(grade):
+    graded = grade("reference")
+    collectives = [t for t in graded.tests if t["extra_data"]["part"] == "collectives"]
+    assert len(collectives) == len(FUNCTIONS) * 4
+    assert all(t["status"] == "passed" for t in collectives), [
+        (t["name"], t["output"]) for t in collectives if t["status"] != "passed"
+    ]
+
+
+def test_untouched_stubs_earn_nothing_and_every_test_is_reported(grade):
+    graded = grade("stubs")
+    assert graded.returncode == 1
+    assert graded.results["score"] == 0
+    for function in FUNCTIONS:
+        for world_size in (1, 2, 3, 4):
+            assert graded.outcome(function, world_size) == "failed"
+            assert f"{function} raises NotImplementedError" in graded.message(function, world_size)
+
+
+def test_faults_get_their_own_verdict_and_spare_the_other_tests(grade):
+    graded = grade("coll_faults", "collectives", world_sizes=(3,))
+    assert graded.outcome("broadcast", 3) == "error"
+    assert graded.message("broadcast", 3).startswith("rank 1: ValueError: index out of range")
+    assert "assignments/collectives.py:16 in broadcast" in graded.message("broadcast", 3)
+
+    assert graded.outcome("reduce", 3) == "crashed"
+    assert graded.message("reduce", 3).startswith("rank 1: the process exited during the test")
+
+    assert graded.outcome("all_reduce", 3) == "timeout"
+    assert graded.message("all_reduce", 3).startswith(
+        "deadlock: rank 0 waits in send to rank 1 at assignments/collectives.py:31 in all_reduce "
+        "while rank 1 waits in send to rank 0"
+    )
+
+    assert graded.outcome("scatter", 3) == "timeout"
+    assert graded.message("scatter", 3).startswith(
+        "rank 2 is stuck at assignments/collectives.py:39 in scatter"
+    )
+
+    # A message nobody receives breaks the submission's own later cases, and nothing after.
+    assert graded.outcome("gather", 3) == "timeout"
+    for function in ("all_gather", "reduce_scatter", "all_to_all"):
+        assert graded.outcome(function, 3) == "passed", graded.message(function, 3)
+
+
+def test_wrong_results_are_explained(grade):
+    graded = grade("coll_wrong", "collectives", world_sizes=(2, 3, 4))
+    assert graded.outcome("broadcast", 2) == "failed"
+    assert "the tensor was not written: results must be stored in place" in graded.message(
+        "broadcast", 2
+    )
+    assert graded.outcome("reduce", 4) == "failed"
+    assert "rank 3's contribution is missing" in graded.message("reduce", 4)
+    assert graded.outcome("all_reduce", 3) == "failed"
+    assert graded.message("all_reduce", 3).startswith("rank 0: all_reduce of float32[1]: element 0")
+    # Recursive doubling is right for powers of two only.
+    assert graded.outcome("all_gather", 2) == "passed"
+    assert graded.outcome("all_gather", 4) == "passed"
+    assert graded.outcome("all_gather", 3) != "passed"
+    for function in ("scatter", "gather", "reduce_scatter", "all_to_all"):
+        for world_size in (2, 3, 4):
+            assert graded.outcome(function, world_size) == "passed"
+
+
+def test_cheats_earn_nothing(tmp_path: Path):
+    """A forbidden collective, a swallowed one, a forged results.json, an exit 0 mid-test."""
+    done = run_grader(
+        [
+            "run",
+            "collectives",
+            "--submission",
+            str(SUBMISSIONS / "coll_cheats"),
+            "--world-size",
+            "2",
+            "--results",
+            "results.json",  # where the forger writes too: the grader's cwd is the ranks' cwd
+        ],
+        cwd=tmp_path,
+    )
+    results = json.loads((tmp_path / "results.json").read_text())
+    by_name = {t["name"].split(": ")[1].split(" (")[0]: t for t in results["tests"]}
+    assert done.returncode == 1
+    for function in ("all_reduce", "broadcast"):
+        assert by_name[function]["extra_data"]["outcome"] == "forbidden"
+        assert (
+            f"called torch.distributed.{function} at assignments/collectives.py"
+            in (by_name[function]["output"])
+        )
+    assert by_name["scatter"]["extra_data"]["outcome"] == "crashed"
+    assert by_name["reduce"]["status"] == "passed"  # it did the work; its forgery is overwritten
+    assert results["score"] == 5
+    assert len(results["tests"]) == 8
+
+
+def test_exit_during_import_costs_the_part_only(grade):
+    graded = grade("coll_import_exit", "collectives", world_sizes=(2,))
+    assert graded.returncode == 1
+    assert {graded.outcome(f, 2) for f in FUNCTIONS} == {"crashed"}
+    assert "while importing the submission" in graded.message("broadcast", 2)
+    assert "not run: importing assignments.collectives ends the process" in graded.message(
+        "all_to_all", 2
+    )
+
+
+def test_syntax_error_is_one_clear_line(grade):
+    graded = grade("coll_syntax", "collectives", world_sizes=(2,))
+    assert graded.returncode == 1
+    assert "Traceback" not in graded.stdout + graded.stderr
+    for function in FUNCTIONS:
+        assert graded.outcome(function, 2) == "error"
+        assert graded.message(function, 2) == (
+            "assignments/collectives.py has a syntax error (line 4): invalid syntax. "
+            "Perhaps you forgot a comma?"
+        )
+
+
+def test_correct_but_unusual_algorithms_earn_correctness_points(grade):
+    graded = grade("coll_unusual", "collectives", world_sizes=(3,))
+    for function in FUNCTIONS:
+        assert graded.outcome(function, 3) == "passed", graded.message(function, 3)
+
+
+def test_every_collective_deadlocking_is_reported_as_timeout(grade):
+    graded = grade("coll_deadlock_all", "collectives", world_sizes=(1, 2))
+    for function in FUNCTIONS:
+        assert graded.outcome(function, 2) == "timeout"
+        assert graded.message(function, 2).startswith(
+            "deadlock: rank 0 waits in recv from rank 1 at assignments/collectives.py"
+        )

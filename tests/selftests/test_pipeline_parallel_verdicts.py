@@ -1,0 +1,83 @@
+"""Verdicts of the pipeline_parallel graded tests on the reference, stubs and broken submissions.
+
+Each broken submission (``submissions/pp_*``) fails in one way; the tests assert the
+verdict a careful TA would give (outcome, kind, the hint in the message) and that every
+other test of that submission still passes.
+"""
+
+from __future__ import annotations
+
+PART = "pipeline_parallel"
+REGIMES = ("m<p", "m=p", "m>p")
+GRADIENTS = [f"{s}_gradients[{r}]" for s in ("gpipe", "one_f_one_b") for r in REGIMES]
+SCHEDULES = ["gpipe_schedule", "one_f_one_b_schedule"]
+
+
+def test_reference_passes_everything(grade) -> None:
+    graded = grade("reference", PART)
+    assert graded.returncode == 0, graded.stdout + graded.stderr
+    assert set(graded.outcomes()) == {
+        (name, size) for name in GRADIENTS + SCHEDULES for size in (2, 3, 4)
+    }
+    assert set(graded.outcomes().values()) == {"passed"}
+    assert graded.results["score"] == 30
+
+
+def test_stubs_fail_everything_as_not_implemented(grade) -> None:
+    graded = grade("stubs", PART, world_sizes=(2, 4))
+    assert graded.returncode == 1
+    assert len(graded.outcomes()) == 16
+    for name, size in graded.outcomes():
+        assert graded.outcome(name, size) == "failed", (name, size)
+        assert "not implemented" in graded.message(name, size), (name, size)
+    assert graded.results["score"] == 0
+
+
+def test_1f1b_running_gpipe_fails_only_the_1f1b_schedule(grade) -> None:
+    graded = grade("pp_1f1b_runs_gpipe", PART, world_sizes=(2, 4))
+    for (name, size), outcome in graded.outcomes().items():
+        assert outcome == ("failed" if name == "one_f_one_b_schedule" else "passed"), (name, size)
+    entry = graded.test("one_f_one_b_schedule", 4)
+    assert entry["extra_data"]["kind"] == "schedule"
+    assert entry["output"].startswith(
+        "rank 0: one_f_one_b_step with 9 microbatches on 4 stages: stage 0 ran 9 microbatches "
+        "forward before its first backward; 1F1B's warm-up on stage 0 of 4 is 3 forwards"
+    )
+    assert "at most 4 microbatches are in flight" in entry["output"]
+    gpipe = [f"F{i}" for i in range(9)] + [f"B{i}" for i in range(9)]
+    assert [r["timeline"] for r in entry["extra_data"]["per_rank"]] == [gpipe] * 4
+    expected = entry["extra_data"]["expected_timeline"]
+    assert expected[0][:6] == ["F0", "F1", "F2", "F3", "B0", "F4"]
+    assert expected[3][:4] == ["F0", "B0", "F1", "B1"]
+    assert "stage 0 of 2 is 1 forward," in graded.message("one_f_one_b_schedule", 2)
+
+
+def test_unscaled_loss_fails_gradients_with_the_scaling_hint(grade) -> None:
+    graded = grade("pp_loss_not_scaled", PART, world_sizes=(2, 3))
+    for name in SCHEDULES:
+        assert graded.outcome(name, 2) == graded.outcome(name, 3) == "passed"
+    for name in GRADIENTS:
+        for size in (2, 3):
+            if size == 2 and name.endswith("[m<p]"):  # one microbatch: 1/m changes nothing
+                assert graded.outcome(name, size) == "passed"
+                continue
+            m = {"m<p": size - 1, "m=p": size, "m>p": 2 * size + 1}[name[-4:-1]]
+            assert graded.outcome(name, size) == "failed", (name, size)
+            assert graded.test(name, size)["extra_data"]["kind"] == "correctness"
+            message = graded.message(name, size)
+            assert message.startswith(f"rank 0: {name.split('_gradients')[0]}"), message
+            assert "stage 0, parameter 0.weight: gradient differs by" in message
+            assert f"about {m}x the expected: is each microbatch's loss scaled by " in message
+
+
+def test_blocking_sends_deadlock_in_1f1b(grade) -> None:
+    graded = grade("pp_blocking_send_1f1b", PART, world_sizes=(2,))
+    deadlocked = ["one_f_one_b_gradients[m=p]", "one_f_one_b_gradients[m>p]"]
+    deadlocked.append("one_f_one_b_schedule")
+    for (name, size), outcome in graded.outcomes().items():
+        assert outcome == ("timeout" if name in deadlocked else "passed"), (name, size, outcome)
+    for name in deadlocked:
+        message = graded.message(name, 2)
+        assert message.startswith("deadlock: rank 0 waits in send to rank 1 at "), message
+        assert " while rank 1 waits in send to rank 0 at " in message
+        assert "assignments/pipeline_parallel.py" in message
