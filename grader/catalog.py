@@ -113,5 +113,6 @@ def _check_overrides_exist(
             if (part, name) not in names:
                 raise ConfigError(
                     f"{config.path.name}: {part}.tests.{name} names no graded test "
-                    f"(there is no test_{name} in {', '.join(f.name for f in config.part(part).files)})"
+                    f"(there is no test_{name} in "
+                    f"{', '.join(f.name for f in config.part(part).files)})"
                 )

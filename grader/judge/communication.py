@@ -69,7 +69,7 @@ def figures(per_rank: list[list[dict[str, Any]]]) -> Figures:
     """Bytes, message count and rounds from every rank's logged events (program order)."""
     sent = [sum(e["nbytes"] for e in events if e["op"] == "send") for events in per_rank]
     received = [sum(e["nbytes"] for e in events if e["op"] == "recv") for events in per_rank]
-    traffic = [max(s, r) for s, r in zip(sent, received)]
+    traffic = [max(s, r) for s, r in zip(sent, received, strict=False)]
     busiest = max(range(len(traffic)), key=traffic.__getitem__) if traffic else 0
     messages = sum(1 for events in per_rank for e in events if e["op"] == "send")
     depths = message_depths(per_rank)
@@ -91,7 +91,9 @@ def message_depths(per_rank: list[list[dict[str, Any]]]) -> dict[tuple[int, int]
     k-th send from r to s with a tag matches the k-th receive at s from r with
     that tag. Receives whose send never appears are ignored.
     """
-    matches: dict[tuple[int, int, int], deque[int]] = defaultdict(deque)  # (src, dst, tag) -> depths
+    matches: dict[tuple[int, int, int], deque[int]] = defaultdict(
+        deque
+    )  # (src, dst, tag) -> depths
     depth: dict[tuple[int, int], int] = {}
     position = [0] * len(per_rank)
     clock = [0] * len(per_rank)

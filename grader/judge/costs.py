@@ -1,4 +1,4 @@
-"""Grading what an implementation costs: its messages (``communication``) and its time (``performance``).
+"""Grading what an implementation costs: its messages and its time.
 
 The ranks only record (their messages, their per-iteration times); the
 judgement needs every rank's record at once, so it is made here, in the
@@ -18,11 +18,14 @@ from grader.catalog import GradedTest
 from grader.judge import communication
 from grader.judge.projection import machines, project
 from grader.judge.verdict import Verdict
+from grader.report.units import duration, size
 
 COST_KINDS = ("communication", "performance")
 
 
-def gate(test: GradedTest, verdict: Verdict, known: dict[str, tuple[GradedTest, Verdict]]) -> Verdict:
+def gate(
+    test: GradedTest, verdict: Verdict, known: dict[str, tuple[GradedTest, Verdict]]
+) -> Verdict:
     """``not_run`` unless every correctness test of the same target and world size passed."""
     if test.kind not in COST_KINDS:
         return verdict
@@ -90,11 +93,11 @@ def _communication(test: GradedTest, verdict: Verdict, per_rank: list[Any]) -> V
     return Verdict(protocol.FAILED, f"{advice}\n{table}", extra, verdict.seconds)
 
 
-def _communication_table(function, p, n_bytes, mine, theirs, bound, projections) -> str:  # noqa: ANN001
+def _communication_table(function, p, n_bytes, mine, theirs, bound, projections) -> str:
     rows = [
-        f"{function} of {_size(n_bytes)} on {p} ranks      yours      reference  bound",
-        f"  busiest rank moves            {_size(mine.busiest_bytes):>9}  {_size(theirs.busiest_bytes):>9}"
-        f"  {_size(bound):>9}",
+        f"{function} of {size(n_bytes)} on {p} ranks      yours      reference  bound",
+        f"  busiest rank moves            {size(mine.busiest_bytes):>9}"
+        f"  {size(theirs.busiest_bytes):>9}  {size(bound):>9}",
         f"  ratio to the bound            {mine.busiest_bytes / bound if bound else 1:>9.2f}"
         f"  {theirs.busiest_bytes / bound if bound else 1:>9.2f}       1.00",
         f"  messages                      {mine.messages:>9}  {theirs.messages:>9}",
@@ -103,8 +106,8 @@ def _communication_table(function, p, n_bytes, mine, theirs, bound, projections)
     ]
     for name, times in projections.items():
         rows.append(
-            f"  projected on {name:<17}{_time(times['student_seconds']):>9}"
-            f"  {_time(times['reference_seconds']):>9}"
+            f"  projected on {name:<17}{duration(times['student_seconds']):>9}"
+            f"  {duration(times['reference_seconds']):>9}"
         )
     return "\n".join(rows)
 
@@ -114,9 +117,9 @@ def _performance(test: GradedTest, verdict: Verdict, per_rank: list[Any]) -> Ver
     options = test.settings.options
     full_at = float(options.get("full_points_within", 1.5))
     zero_at = float(options.get("zero_points_beyond", 3.0))
-    student = [max(times) for times in zip(*(r["student_times"] for r in per_rank))]
-    reference = [max(times) for times in zip(*(r["reference_times"] for r in per_rank))]
-    ratio = statistics.median(s / r for s, r in zip(student, reference))
+    student = [max(t) for t in zip(*(r["student_times"] for r in per_rank), strict=True)]
+    reference = [max(t) for t in zip(*(r["reference_times"] for r in per_rank), strict=True)]
+    ratio = statistics.median(s / r for s, r in zip(student, reference, strict=False))
     fraction = 1.0 if ratio <= full_at else max(0.0, (zero_at - ratio) / (zero_at - full_at))
     info = verdict.extra.get("performance", {})
     function, n_bytes = info.get("function", test.target), info.get("n_bytes", 0)
@@ -134,25 +137,11 @@ def _performance(test: GradedTest, verdict: Verdict, per_rank: list[Any]) -> Ver
         "fraction": round(fraction, 4),
     }
     table = (
-        f"{function} of {_size(n_bytes)} on {test.world_size} ranks: yours {_time(mine_s)} "
-        f"(busbw {extra['student_busbw_GBps']:.2f} GB/s), reference {_time(ref_s)} "
+        f"{function} of {size(n_bytes)} on {test.world_size} ranks: yours {duration(mine_s)} "
+        f"(busbw {extra['student_busbw_GBps']:.2f} GB/s), reference {duration(ref_s)} "
         f"(busbw {extra['reference_busbw_GBps']:.2f} GB/s): {ratio:.2f}x the reference's time "
-        f"(median of {len(student)} paired runs; full points within {full_at:g}x, none beyond {zero_at:g}x)"
+        f"(median of {len(student)} paired runs; full points within {full_at:g}x, "
+        f"none beyond {zero_at:g}x)"
     )
     outcome = protocol.PASSED if fraction >= 1.0 else protocol.FAILED
     return Verdict(outcome, table, extra, verdict.seconds)
-
-
-def _size(nbytes: float) -> str:
-    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
-        if nbytes >= scale:
-            return f"{nbytes / scale:.2f} {unit}"
-    return f"{nbytes:.0f} B"
-
-
-def _time(seconds: float) -> str:
-    if seconds >= 1:
-        return f"{seconds:.2f} s"
-    if seconds >= 1e-3:
-        return f"{seconds * 1e3:.2f} ms"
-    return f"{seconds * 1e6:.1f} us"

@@ -86,7 +86,9 @@ def project(per_rank: list[list[dict[str, Any]]], machine: Machine) -> float:
                 event = events[position[rank]]
                 if event["op"] == "send":
                     start = max(clock[rank], port_free[rank])
-                    done = start + machine.link(rank, event["peer"], world_size).cost(event["nbytes"])
+                    done = start + machine.link(rank, event["peer"], world_size).cost(
+                        event["nbytes"]
+                    )
                     port_free[rank] = done
                     arrivals[(rank, event["peer"], event["tag"])].append(done)
                 elif event["op"] == "recv":

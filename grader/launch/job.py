@@ -10,6 +10,7 @@ Nothing is lost: every result is on disk already.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -19,9 +20,10 @@ from types import TracebackType
 
 
 class TorchrunJob:
-    def __init__(self, job_dir: Path, world_size: int) -> None:
+    def __init__(self, job_dir: Path, world_size: int, module: str = "grader.rank.worker") -> None:
         self.job_dir = job_dir
         self.world_size = world_size
+        self.module = module
         self._process: subprocess.Popen[bytes] | None = None
         # The ranks' pids as they report them: ended too, even if torchrun is gone already.
         self.worker_pids: set[int] = set()
@@ -36,7 +38,7 @@ class TorchrunJob:
             "--max-restarts=0",
             f"--log-dir={self.job_dir / 'torchrun'}",
             "-m",
-            "grader.rank.worker",
+            self.module,
             str(self.job_dir),
         ]
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
@@ -109,23 +111,19 @@ def descendants(root: int) -> list[int]:
 def _is_worker(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as cmdline:
-            return b"grader.rank.worker" in cmdline.read()
+            return b"grader." in cmdline.read()
     except OSError:
         return False
 
 
 def _signal(pid: int, sig: signal.Signals) -> None:
-    try:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
         os.kill(pid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
 
 
 def _signal_group(pgid: int, sig: signal.Signals) -> None:
-    try:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pgid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
 
 
 def process_alive(pid: int) -> bool:

@@ -10,6 +10,7 @@ the next test. A submission can cost itself points, never the grader a verdict.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import time
@@ -218,10 +219,8 @@ class Supervisor:
         stuck = watch.open_ranks()
         for rank in stuck:
             if rank in run.pids:
-                try:
+                with contextlib.suppress(ProcessLookupError):
                     os.kill(run.pids[rank], signal.SIGUSR1)  # faulthandler dumps its stacks
-                except ProcessLookupError:
-                    pass
         time.sleep(_SETTLE_SECONDS)
         results = dict(watch.results)
         for rank in stuck:

@@ -1,4 +1,4 @@
-"""Watches torch.distributed's built-in collectives: blocks them where forbidden, logs them elsewhere.
+"""Watches torch.distributed's collectives: blocks them where forbidden, logs them elsewhere.
 
 The collectives part asks students to build every collective from
 point-to-point messages; calling ``dist.all_reduce`` would pass the
@@ -85,7 +85,7 @@ GROUP_METHODS = (
 )
 
 
-class ForbiddenCall(BaseException):  # noqa: N818 - it is a verdict, not an error of the grader
+class ForbiddenCall(BaseException):
     """A built-in collective was called where only point-to-point messages are allowed."""
 
 

@@ -39,8 +39,9 @@ def student_location() -> str:
     """The innermost student frame of the current stack, as 'file:line in function'."""
     frame = sys._getframe(1)
     while frame is not None:
-        if is_student_file(frame.f_code.co_filename):
-            return f"{display_path(frame.f_code.co_filename)}:{frame.f_lineno} in {frame.f_code.co_name}"
+        code = frame.f_code
+        if is_student_file(code.co_filename):
+            return f"{display_path(code.co_filename)}:{frame.f_lineno} in {code.co_name}"
         frame = frame.f_back
     return ""
 

@@ -5,8 +5,10 @@ from __future__ import annotations
 from collections import defaultdict
 
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
+from rich.text import Text
 
 from grader import protocol
 from grader.catalog import GradedTest
@@ -49,14 +51,14 @@ class ProgressDisplay:
         self.progress.stop()
 
     def on_start(self, test: GradedTest) -> None:
-        self.progress.update(self.task, description=test.title)
+        self.progress.update(self.task, description=escape(test.title))
 
     def on_verdict(self, test: GradedTest, verdict: Verdict) -> None:
         self.progress.advance(self.task)
         if not verdict.passed:
             style = OUTCOME_STYLE.get(verdict.outcome, "red")
             self.progress.console.print(
-                f"[{style}]{verdict.outcome:>9}[/] {test.title}", highlight=False
+                f"[{style}]{verdict.outcome:>9}[/] {escape(test.title)}", highlight=False
             )
 
 
@@ -68,11 +70,11 @@ def print_summary(console: Console, results: list[GradedResult], seconds: float)
         console.print(_part_table(part, part_results))
         failures = [r for r in part_results if not r.verdict.passed]
         if failures:
-            console.print(f"[bold]What to fix first in {part}:[/]")
+            console.print(f"[bold]What to fix first in {escape(part)}:[/]")
             for result in _first_per_target(failures):
                 console.print(
-                    f"  [bold]{result.test.name}[/] (world size {result.test.world_size}): "
-                    f"{result.verdict.message}",
+                    f"  [bold]{escape(result.test.name)}[/] (world size {result.test.world_size}): "
+                    f"{escape(result.verdict.message)}",
                     highlight=False,
                 )
                 drawn = timelines_of(result.verdict.extra)
@@ -91,7 +93,7 @@ def print_summary(console: Console, results: list[GradedResult], seconds: float)
 
 
 def _part_table(part: str, results: list[GradedResult]) -> Table:
-    table = Table(title=f"[bold]{part}", title_justify="left", show_lines=False)
+    table = Table(title=Text(part, style="bold"), title_justify="left", show_lines=False)
     table.add_column("test")
     table.add_column("target")
     table.add_column("world size", justify="right")
@@ -100,8 +102,8 @@ def _part_table(part: str, results: list[GradedResult]) -> Table:
     for result in results:
         style = OUTCOME_STYLE.get(result.verdict.outcome, "")
         table.add_row(
-            result.test.name,
-            result.test.target,
+            Text(result.test.name),
+            Text(result.test.target),
             str(result.test.world_size),
             f"[{style}]{result.verdict.outcome}[/]",
             f"{result.score:g} / {result.max_score:g}",
@@ -114,7 +116,8 @@ def _part_table(part: str, results: list[GradedResult]) -> Table:
 
 
 def _first_per_target(failures: list[GradedResult]) -> list[GradedResult]:
-    """One failure per test function, at its smallest world size: the simplest case to debug."""
+    """One failure per test (each parametrization is its own), at its smallest world size:
+    the simplest case to debug."""
     first: dict[str, GradedResult] = {}
     for result in sorted(failures, key=lambda r: r.test.world_size):
         first.setdefault(result.test.name, result)

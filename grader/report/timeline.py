@@ -40,7 +40,7 @@ def terminal_table(actual: Timeline, expected: Timeline, title: str) -> Table:
     table.add_column("", no_wrap=True)
     for step in range(steps):
         table.add_column(str(step), justify="center", min_width=4)
-    for rank, (mine, want) in enumerate(zip(actual, expected)):
+    for rank, (mine, want) in enumerate(zip(actual, expected, strict=False)):
         cells = [
             Text(f" {c} ", style=_style(c, i < len(want) and c == want[i]))
             for i, c in enumerate(mine)

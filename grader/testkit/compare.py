@@ -74,8 +74,9 @@ def check_unchanged(actual: torch.Tensor, original: torch.Tensor, what: str) -> 
     """An argument that is not an output must come back exactly as it was given."""
     if not torch.equal(actual.detach().cpu(), original.detach().cpu()):
         index = int((actual.detach().cpu() != original.detach().cpu()).reshape(-1).nonzero()[0])
+        where = _position(index, tuple(original.shape))
         raise AssertionError(
-            f"{what} was modified, but it is an input: element {_position(index, tuple(original.shape))} "
+            f"{what} was modified, but it is an input: element {where} "
             f"was {_fmt(original.reshape(-1)[index])}, now {_fmt(actual.reshape(-1)[index])}"
         )
 

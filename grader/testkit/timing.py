@@ -31,15 +31,19 @@ def paired_times(
     iterations: int,
     warmup: int,
 ) -> tuple[list[float], list[float]]:
-    """Alternate student and reference, each after a barrier; drop the warm-up pairs.
+    """Time student and reference alternately, each after a barrier; drop the warm-up pairs.
 
     Alternating in one job, rather than timing one then the other, exposes
     both to the same noise of a shared machine: their ratio is what is fair.
+    The order flips every pair (student first, then reference first), so that
+    whatever favours the first or the second call of a pair cancels out.
     """
     mine, theirs = [], []
-    for _ in range(warmup + iterations):
-        barrier()
-        mine.append(time_call(student, device))
-        barrier()
-        theirs.append(time_call(reference, device))
+    for i in range(warmup + iterations):
+        pair = {}
+        for name in ("student", "reference") if i % 2 == 0 else ("reference", "student"):
+            barrier()
+            pair[name] = time_call(student if name == "student" else reference, device)
+        mine.append(pair["student"])
+        theirs.append(pair["reference"])
     return mine[warmup:], theirs[warmup:]

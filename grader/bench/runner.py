@@ -1,0 +1,198 @@
+"""``grader bench``: a sweep of message sizes and world sizes, shown as nccl-tests would.
+
+For each world size one torchrun job measures every collective at every
+size for three implementations: the student's, the reference's and
+torch.distributed's own. The results are a table per collective (time, and
+bus bandwidth with nccl-tests' factors), a PNG of bus bandwidth against
+message size, and the alpha-beta projection of the student's and the
+reference's message patterns on real machines.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.markup import escape
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from grader import protocol
+from grader.judge.communication import BUS_FACTOR
+from grader.launch.job import TorchrunJob
+from grader.report.units import duration, size
+from grader.submission import stage
+
+IMPLEMENTATIONS = ("student", "reference", "torch")
+DEFAULT_SIZES = tuple(4**k * 1024 for k in range(1, 9))  # 4 KiB ... 64 MiB
+_STALL_SECONDS = 120.0
+
+
+@dataclass
+class BenchResult:
+    world_size: int
+    records: list[dict[str, Any]] = field(default_factory=list)
+    problem: str = ""
+
+
+def run_bench(
+    console: Console,
+    submission: Path,
+    functions: list[str],
+    world_sizes: list[int],
+    sizes: list[int],
+    iterations: int,
+) -> list[BenchResult]:
+    results = []
+    total = len(world_sizes) * len(functions) * len(sizes) * len(IMPLEMENTATIONS)
+    progress = Progress(
+        TextColumn("[bold]bench"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        TextColumn("{task.description}"),
+        console=console,
+        transient=True,
+    )
+    with tempfile.TemporaryDirectory(prefix="grader-bench-") as work, progress:
+        task = progress.add_task("", total=total)
+        import_dir = Path(work).resolve() / "import"
+        stage(submission, import_dir)
+        for world_size in world_sizes:
+            job_dir = Path(work) / f"ws{world_size}"
+            job_dir.mkdir()
+            plan = {
+                "import_dir": str(import_dir),
+                "functions": functions,
+                "sizes": sizes,
+                "iterations": iterations,
+                "op_timeout": 30,
+            }
+            (job_dir / "bench.json").write_text(json.dumps(plan))
+            results.append(_run_job(job_dir, world_size, progress, task))
+    return results
+
+
+def _run_job(job_dir: Path, world_size: int, progress: Progress, task: Any) -> BenchResult:
+    result = BenchResult(world_size)
+    reader = protocol.ReportReader(protocol.report_path(job_dir, 0))
+    last_progress = time.monotonic()
+    with TorchrunJob(job_dir, world_size, module="grader.bench.worker") as job:
+        while True:
+            for record in reader.new_records():
+                if record["event"] == "measured":
+                    result.records.append(record)
+                    progress.advance(task)
+                    progress.update(
+                        task,
+                        description=f"{record['function']} {size(record['bytes'])} ws={world_size}",
+                    )
+                    last_progress = time.monotonic()
+                elif record["event"] == "student_error":
+                    result.problem = f"the submission could not be imported: {record['message']}"
+                elif record["event"] == "finished":
+                    return result
+            if not job.running():
+                result.problem = result.problem or "the job ended early: " + job.log_tail(2)
+                return result
+            if time.monotonic() - last_progress > _STALL_SECONDS:
+                result.problem = f"no progress for {_STALL_SECONDS:.0f} s: stopped"
+                return result
+            time.sleep(0.1)
+
+
+def busbw(record: dict[str, Any], world_size: int) -> float:
+    """nccl-tests' bus bandwidth, GB/s: bytes / time * the collective's factor."""
+    factor = BUS_FACTOR[record["function"]](world_size)
+    return record["bytes"] / record["seconds"] / 1e9 * factor
+
+
+def print_tables(console: Console, results: list[BenchResult]) -> None:
+    for result in results:
+        if result.problem:
+            console.print(f"[red]world size {result.world_size}: {escape(result.problem)}[/]")
+        functions = dict.fromkeys(r["function"] for r in result.records)
+        for function in functions:
+            table = Table(
+                title=f"[bold]{function}[/], {result.world_size} ranks", title_justify="left"
+            )
+            table.add_column("size", justify="right")
+            for impl in IMPLEMENTATIONS:
+                table.add_column(f"{impl} time", justify="right")
+                table.add_column(f"{impl} busbw GB/s", justify="right")
+            rows: dict[int, dict[str, dict[str, Any]]] = {}
+            for record in result.records:
+                if record["function"] == function:
+                    rows.setdefault(record["bytes"], {})[record["impl"]] = record
+            for nbytes, by_impl in sorted(rows.items()):
+                cells = []
+                for impl in IMPLEMENTATIONS:
+                    record = by_impl.get(impl)
+                    if record is None or "seconds" not in record:
+                        cells += ["[red]error[/]" if record else "-", ""]
+                    else:
+                        cells += [
+                            duration(record["seconds"]),
+                            f"{busbw(record, result.world_size):.3f}",
+                        ]
+                table.add_row(size(nbytes), *cells)
+            largest = rows[max(rows)] if rows else {}
+            projected = [
+                f"{machine}: yours {duration(largest['student']['projected'][machine])}, "
+                f"reference {duration(largest['reference']['projected'][machine])}"
+                for machine in (largest.get("reference", {}).get("projected") or {})
+                if "projected" in largest.get("student", {})
+            ]
+            if projected:
+                table.caption = f"projected at {size(max(rows))}: " + "; ".join(projected)
+            console.print(table)
+
+
+def plot(results: list[BenchResult], path: Path) -> Path:
+    """Bus bandwidth against message size: one panel per collective, one line per implementation."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    functions = list(dict.fromkeys(r["function"] for res in results for r in res.records))
+    columns = min(4, max(1, len(functions)))
+    rows = -(-len(functions) // columns)
+    figure, axes = plt.subplots(rows, columns, figsize=(4 * columns, 3.2 * rows), squeeze=False)
+    styles = {"student": "o-", "reference": "s--", "torch": "^:"}
+    for axis, function in zip(axes.flat, functions, strict=False):
+        for result in results:
+            for impl in IMPLEMENTATIONS:
+                points = sorted(
+                    (r["bytes"], busbw(r, result.world_size))
+                    for r in result.records
+                    if r["function"] == function and r["impl"] == impl and "seconds" in r
+                )
+                if points:
+                    xs, ys = zip(*points, strict=False)
+                    axis.plot(
+                        xs,
+                        ys,
+                        styles[impl],
+                        label=f"{impl}, {result.world_size} ranks",
+                        markersize=3,
+                    )
+        axis.set_xscale("log", base=2)
+        axis.set_title(function)
+        axis.set_xlabel("message size (bytes)")
+        axis.set_ylabel("bus bandwidth (GB/s)")
+        axis.grid(alpha=0.3)
+    for axis in list(axes.flat)[len(functions) :]:
+        axis.set_visible(False)
+    handles, labels = axes.flat[0].get_legend_handles_labels()
+    figure.legend(handles, labels, loc="lower center", ncol=min(6, len(labels)), fontsize=8)
+    figure.tight_layout(rect=(0, 0.08, 1, 1))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=100)
+    plt.close(figure)
+    return path

@@ -1,0 +1,101 @@
+"""The program torchrun starts on every rank for ``grader bench``.
+
+For each collective and message size it times the student's function, the
+reference's and torch.distributed's own, side by side in this one job, and
+logs one call's messages for the alpha-beta projections. Rank 0 writes one
+JSON record per measurement; an implementation that fails or hangs is
+dropped for the rest of that collective, and the sweep goes on.
+"""
+
+from __future__ import annotations
+
+import datetime
+import importlib
+import json
+import os
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from grader import protocol
+from grader.config import REPO_ROOT
+from grader.judge.projection import machines, project
+from grader.rank import frames, p2p
+from grader.rank.accounting import recording
+from grader.testkit.calls import TORCH_COLLECTIVES, collective_call
+from grader.testkit.timing import time_call
+
+
+def main(job_dir: Path) -> int:
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    log = os.open(protocol.log_path(job_dir, rank), os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+    plan = json.loads((job_dir / "bench.json").read_text())
+    report = protocol.ReportWriter(protocol.report_path(job_dir, rank))
+    sys.path[:0] = [plan["import_dir"], str(REPO_ROOT)]
+    frames.configure(Path(plan["import_dir"]))
+    p2p.install(protocol.waiting_path(job_dir, rank))
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=plan["op_timeout"]))
+    report.write("ready", rank=rank, pid=os.getpid())
+
+    implementations: dict[str, Any] = {
+        "reference": importlib.import_module("reference.collectives")
+    }
+    try:
+        implementations["student"] = importlib.import_module("assignments.collectives")
+    except BaseException as err:
+        report.write("student_error", message=f"{type(err).__name__}: {err}")
+    implementations["torch"] = TORCH_COLLECTIVES
+
+    for function in plan["functions"]:
+        failed: set[str] = set()
+        for size in plan["sizes"]:
+            n = max(world_size, size // 4 // world_size * world_size)
+            for name, module in implementations.items():
+                if name in failed:
+                    continue
+                try:
+                    record = _measure(
+                        module, name, function, rank, world_size, n, plan["iterations"]
+                    )
+                except Exception as err:
+                    failed.add(name)
+                    record = {"error": f"{type(err).__name__}: {str(err)[:200]}"}
+                if rank == 0:
+                    report.write("measured", function=function, bytes=n * 4, impl=name, **record)
+    report.write("finished")
+    return 0
+
+
+def _measure(
+    module: Any, name: str, function: str, rank: int, world_size: int, n: int, iterations: int
+) -> dict[str, Any]:
+    call = collective_call(module, function, rank, world_size, n)
+    call()  # warm-up
+    times = []
+    for _ in range(iterations):
+        dist.barrier()
+        times.append(time_call(call, torch.device("cpu")))
+    slowest = torch.tensor(times, dtype=torch.float64)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)  # an iteration lasts as long as its slowest rank
+    record: dict[str, Any] = {"seconds": statistics.median(slowest.tolist())}
+    if name != "torch":  # torch's own collectives send no messages we can see
+        dist.barrier()
+        with recording() as log:
+            call()
+        messages = [None] * world_size if rank == 0 else None
+        dist.gather_object(log.messages(), messages, dst=0)
+        if rank == 0:
+            record["projected"] = {m.name: project(messages, m) for m in machines()}
+    return record
+
+
+if __name__ == "__main__":
+    code = main(Path(sys.argv[1]))
+    sys.stdout.flush()
+    os._exit(code)
