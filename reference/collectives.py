@@ -101,11 +101,13 @@ def _ring_reduce_scatter(g: _Ranks, buf: Tensor, bounds: list[int]) -> None:
     the other pieces hold partial sums.
     """
     p, me = g.p, g.me
+    scratch = buf.new_empty(-(-buf.numel() // p))  # the largest piece: ceil(n / p)
     for s in range(p - 1):
         out, acc = (me - s - 1) % p, (me - s - 2) % p
-        recv = torch.empty_like(_span(buf, bounds, acc, acc + 1))
+        target = _span(buf, bounds, acc, acc + 1)
+        recv = scratch[: target.numel()]  # one buffer for every step: no allocation per step
         _exchange(g, _span(buf, bounds, out, out + 1), me + 1, recv, me - 1)
-        _span(buf, bounds, acc, acc + 1).add_(recv)
+        target.add_(recv)
 
 
 def _ring_all_gather(g: _Ranks, buf: Tensor, bounds: list[int]) -> None:
@@ -192,11 +194,13 @@ def all_reduce(tensor: Tensor, group: ProcessGroup | None = None) -> None:
     with bitwise identical values (each piece is summed once, then copied).
     """
     g = _Ranks(group)
-    buf = _flat_copy(tensor)
+    # A contiguous tensor is reduced where it lies; any other goes through a flat copy.
+    buf = tensor.detach().view(-1) if tensor.is_contiguous() else _flat_copy(tensor)
     bounds = _bounds(buf.numel(), g.p)
     _ring_reduce_scatter(g, buf, bounds)
     _ring_all_gather(g, buf, bounds)
-    tensor.copy_(buf.view_as(tensor))
+    if buf.data_ptr() != tensor.data_ptr():
+        tensor.copy_(buf.view_as(tensor))
 
 
 def scatter(

@@ -1,0 +1,107 @@
+"""The `grader` command as a user meets it: bad input, listing, and stopping it mid-run."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from runner import REPO, SUBMISSIONS, run_grader
+
+from grader.launch.job import descendants, process_alive
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["run", "no_such_part"], "grader: error: unknown part 'no_such_part'"),
+        (["run", "--submission", "/no/such/dir"], "grader: error: no such directory: /no/such/dir"),
+        (["run", "--submission", "README.md"], "grader: error: --submission must be a directory"),
+        (["run", "collectives", "-k", "nothing_matches"], "grader: error: no graded test matches"),
+        (["frobnicate"], "grader: error: argument command: invalid choice: 'frobnicate'"),
+        (["bench", "pipeline_parallel"], "grader: error: grader bench measures the collectives"),
+    ],
+)
+def test_bad_input_is_one_clear_line_and_exit_status_2(args: list[str], message: str):
+    done = run_grader(args, timeout=120)
+    assert done.returncode == 2
+    assert done.stderr.startswith(message), done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1
+    assert "Traceback" not in done.stdout + done.stderr
+
+
+def test_a_bad_configuration_is_exit_status_2(tmp_path: Path):
+    config = tmp_path / "grading.yaml"
+    config.write_text("parts:\n  collectives:\n    file: test_collectives.py\n    points: -1\n")
+    done = run_grader(["--config", str(config), "run"], timeout=120)
+    assert done.returncode == 2
+    assert "grader: error:" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_list_shows_every_part_with_its_points():
+    done = run_grader(["list"], timeout=120)
+    assert done.returncode == 0
+    for part in ("collectives", "pipeline_parallel"):
+        assert part in done.stdout
+    assert "points in all" in done.stdout
+
+
+def test_a_missing_module_grades_its_part_as_not_submitted(tmp_path: Path):
+    """coll_unusual holds collectives.py only: the pipeline part is not submitted, not an error."""
+    results = tmp_path / "results.json"
+    args = ["run", "pipeline_parallel", "--submission", str(SUBMISSIONS / "coll_unusual")]
+    done = run_grader([*args, "--results", str(results)], timeout=120)
+    assert done.returncode == 1
+    tests = json.loads(results.read_text())["tests"]
+    assert tests and all(t["extra_data"]["outcome"] == "not_run" for t in tests)
+    assert tests[0]["output"] == "not submitted: the submission has no pipeline_parallel.py"
+
+
+def test_interrupting_the_grader_ends_every_process_it_started(tmp_path: Path):
+    """Ctrl-C while every rank is blocked in gloo: nothing is left behind, the results are kept."""
+    results = tmp_path / "results.json"
+    grader = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "grader",
+            "run",
+            "collectives",
+            "--world-size",
+            "2",
+            "--submission",
+            str(SUBMISSIONS / "coll_deadlock_all"),
+            "--results",
+            str(results),
+        ],
+        cwd=REPO,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    try:
+        started: list[int] = []
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline and len(started) < 3:  # torchrun and its 2 ranks
+            time.sleep(0.5)
+            started = descendants(grader.pid)
+        assert len(started) >= 3, "the grader never started its job"
+        time.sleep(2)  # the ranks are in the tests now, waiting in gloo
+        started = descendants(grader.pid)
+        grader.send_signal(signal.SIGINT)
+        assert grader.wait(timeout=30) == 130
+    finally:
+        if grader.poll() is None:
+            os.killpg(grader.pid, signal.SIGKILL)
+    deadline = time.monotonic() + 5  # killed processes take a moment to be reaped
+    while (alive := [pid for pid in started if process_alive(pid)]) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not alive, f"left behind: {alive}"
+    reported = json.loads(results.read_text())["tests"]
+    assert len(reported) == 24  # every test at world size 2, those not reached as not_run
+    assert "not run: grading was interrupted" in {t["output"] for t in reported}
