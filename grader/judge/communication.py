@@ -84,12 +84,14 @@ def figures(per_rank: list[list[dict[str, Any]]]) -> Figures:
 
 
 def message_depths(per_rank: list[list[dict[str, Any]]]) -> dict[tuple[int, int], int]:
-    """The round of every send, keyed by (rank, index of the event in that rank's log).
+    """The round of every send and arrival, keyed by (rank, index of the event in its log).
 
-    A send leaves in the round after both the last message its rank received
-    and its rank's previous send; a receive completes with its message. The
-    k-th send from r to s with a tag matches the k-th receive at s from r with
-    that tag. Receives whose send never appears are ignored.
+    One-port, full-duplex model (each rank sends at most one message and
+    receives at most one per round): a send leaves in the round after both the
+    last message its rank received and its previous send; a message arrives in
+    its send's round, or after its receiver's previous arrival. The k-th send
+    from r to s with a tag matches the k-th receive at s from r with that tag.
+    Receives whose send never appears are ignored.
     """
     matches: dict[tuple[int, int, int], deque[int]] = defaultdict(
         deque
@@ -98,6 +100,7 @@ def message_depths(per_rank: list[list[dict[str, Any]]]) -> dict[tuple[int, int]
     position = [0] * len(per_rank)
     clock = [0] * len(per_rank)
     last_send = [0] * len(per_rank)
+    last_arrival = [0] * len(per_rank)
     progress = True
     while progress:
         progress = False
@@ -113,7 +116,10 @@ def message_depths(per_rank: list[list[dict[str, Any]]]) -> dict[tuple[int, int]
                     queue = matches[(event["peer"], rank, event["tag"])]
                     if not queue:
                         break  # its send is not known yet: come back to this rank later
-                    clock[rank] = max(clock[rank], queue.popleft())
+                    arrival = max(queue.popleft(), last_arrival[rank] + 1)
+                    last_arrival[rank] = arrival
+                    depth[(rank, position[rank])] = arrival
+                    clock[rank] = max(clock[rank], arrival)
                 position[rank] += 1
                 progress = True
     return depth

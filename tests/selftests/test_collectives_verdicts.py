@@ -22,10 +22,16 @@ FUNCTIONS = (
 def test_reference_earns_every_point(grade):
     graded = grade("reference")
     collectives = [t for t in graded.tests if t["extra_data"]["part"] == "collectives"]
-    assert len(collectives) == len(FUNCTIONS) * 4
-    assert all(t["status"] == "passed" for t in collectives), [
-        (t["name"], t["output"]) for t in collectives if t["status"] != "passed"
+    kinds = [t["extra_data"]["kind"] for t in collectives]
+    # Correctness at 4 world sizes, communication at 3, performance at 2.
+    assert (kinds.count("correctness"), kinds.count("communication")) == (32, 24)
+    assert kinds.count("performance") == 16
+    assert all(t["score"] == t["max_score"] for t in collectives), [
+        (t["name"], t["output"]) for t in collectives if t["score"] != t["max_score"]
     ]
+    ring = graded.test("communication[all_reduce]", 4)["extra_data"]
+    assert ring["bytes_ratio"] == 1.0
+    assert ring["student"]["rounds"] == 6  # 2(p-1) steps of the ring
 
 
 def test_untouched_stubs_earn_nothing_and_every_test_is_reported(grade):
@@ -36,6 +42,11 @@ def test_untouched_stubs_earn_nothing_and_every_test_is_reported(grade):
         for world_size in (1, 2, 3, 4):
             assert graded.outcome(function, world_size) == "failed"
             assert f"{function} raises NotImplementedError" in graded.message(function, world_size)
+        # No points for the cost of code that does not work.
+        assert graded.outcome(f"communication[{function}]", 2) == "not_run"
+        assert graded.message(f"performance[{function}]", 4) == (
+            f"not graded: {function} (world size 4) must pass first"
+        )
 
 
 def test_faults_get_their_own_verdict_and_spare_the_other_tests(grade):
@@ -135,10 +146,23 @@ def test_syntax_error_is_one_clear_line(grade):
         )
 
 
-def test_correct_but_unusual_algorithms_earn_correctness_points(grade):
-    graded = grade("coll_unusual", "collectives", world_sizes=(3,))
+def test_correct_but_unusual_algorithms_earn_correctness_points_not_communication_points(grade):
+    """Everyone-sends-everything all-reduce and linear broadcast: right, but not efficient."""
+    graded = grade("coll_unusual", "collectives", world_sizes=(2, 3, 4))
     for function in FUNCTIONS:
-        assert graded.outcome(function, 3) == "passed", graded.message(function, 3)
+        for world_size in (2, 3, 4):
+            assert graded.outcome(function, world_size) == "passed", graded.message(function, 3)
+    # Each rank sends its whole tensor to p-1 others: (p-1) n against 2(p-1)/p n, p/2 times
+    # the bound, which is the bound itself at p = 2 only.
+    assert graded.outcome("communication[all_reduce]", 2) == "passed"
+    for world_size, ratio in ((3, "1.50"), (4, "2.00")):
+        assert graded.outcome("communication[all_reduce]", world_size) == "failed"
+        assert graded.message("communication[all_reduce]", world_size).startswith(
+            f"the busiest rank (rank 0) moves {ratio}x the bound; at most 1.25x earns the points"
+        )
+    # The root sends n to each of p-1 ranks: within 2x of n up to p = 3.
+    assert graded.outcome("communication[broadcast]", 3) == "passed"
+    assert graded.outcome("communication[broadcast]", 4) == "failed"
 
 
 def test_every_collective_deadlocking_is_reported_as_timeout(grade):

@@ -90,6 +90,14 @@ def test_linear_sends_from_one_rank_take_one_round_each():
     assert figures(events).rounds == p - 1
 
 
+def test_a_root_receiving_from_everyone_takes_one_round_per_message():
+    """Receives are one per round too: a linear gather needs p-1 rounds, not one."""
+    p = 4
+    events = [[{"op": "recv", "peer": r, "nbytes": 8, "tag": 0} for r in range(1, p)]]
+    events += [[{"op": "send", "peer": 0, "nbytes": 8, "tag": 0}] for _ in range(1, p)]
+    assert figures(events).rounds == p - 1
+
+
 def test_projection_charges_the_slow_links_more():
     by_name = {m.name: m for m in machines()}
     events = ring_all_reduce(4, 64_000_000)
