@@ -27,7 +27,10 @@ def worker(megabytes: int, pairs: int) -> None:
 
     dist.init_process_group("gloo")
     tensor = torch.randn(megabytes * (1 << 20) // 4)
-    calls = {"reference": lambda: reference.all_reduce(tensor), "torch": lambda: dist.all_reduce(tensor)}
+    calls = {
+        "reference": lambda: reference.all_reduce(tensor),
+        "torch": lambda: dist.all_reduce(tensor),
+    }
     times: dict[str, list[float]] = {"reference": [], "torch": []}
     for i in range(pairs + 2):
         for name in ("reference", "torch") if i % 2 == 0 else ("torch", "reference"):
@@ -55,12 +58,25 @@ def main() -> None:
     parser.add_argument("--pairs", type=int, default=15)
     args = parser.parse_args()
     done = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone",
-         f"--nproc-per-node={args.world_size}", "--log-dir=/tmp/all_reduce_vs_torch",
-         __file__, "--worker", str(args.megabytes), str(args.pairs)],
-        capture_output=True, text=True,
-        env={**os.environ, "OMP_NUM_THREADS": "1",
-             "PYTHONPATH": str(Path(__file__).resolve().parents[1])},
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc-per-node={args.world_size}",
+            "--log-dir=/tmp/all_reduce_vs_torch",
+            __file__,
+            "--worker",
+            str(args.megabytes),
+            str(args.pairs),
+        ],
+        capture_output=True,
+        text=True,
+        env={
+            **os.environ,
+            "OMP_NUM_THREADS": "1",
+            "PYTHONPATH": str(Path(__file__).resolve().parents[1]),
+        },
     )
     print("\n".join(line for line in done.stdout.splitlines() if "all_reduce of" in line))
     if done.returncode:

@@ -25,10 +25,10 @@ N = 840 * 1024
 def worker(out_dir: Path) -> None:
     import torch.distributed as dist
 
+    import reference.collectives as reference
     from grader.rank import p2p
     from grader.rank.accounting import recording
     from grader.testkit.calls import COLLECTIVES, collective_call
-    import reference.collectives as reference
 
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     p2p.install(out_dir / f"waiting{rank}")
@@ -56,19 +56,33 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as tmp:
             out = Path(tmp)
             subprocess.run(
-                [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                 f"--nproc-per-node={world_size}", f"--log-dir={out / 'logs'}",
-                 __file__, "--worker", str(out)],
-                check=True, capture_output=True,
-                env={**os.environ, "OMP_NUM_THREADS": "1",
-                     "PYTHONPATH": str(Path(__file__).resolve().parents[1])},
+                [
+                    sys.executable,
+                    "-m",
+                    "torch.distributed.run",
+                    "--standalone",
+                    f"--nproc-per-node={world_size}",
+                    f"--log-dir={out / 'logs'}",
+                    __file__,
+                    "--worker",
+                    str(out),
+                ],
+                check=True,
+                capture_output=True,
+                env={
+                    **os.environ,
+                    "OMP_NUM_THREADS": "1",
+                    "PYTHONPATH": str(Path(__file__).resolve().parents[1]),
+                },
             )
             per_rank = [json.loads((out / f"rank{r}.json").read_text()) for r in range(world_size)]
         for function in COLLECTIVES:
             result = figures([logs[function] for logs in per_rank])
             ratio = result.busiest_bytes / bound_bytes(function, world_size, N * 4)
-            print(f"{function:<15}{world_size:>3}{ratio:>15.2f}{result.rounds:>8}"
-                  f"{min_rounds(world_size):>11}")
+            print(
+                f"{function:<15}{world_size:>3}{ratio:>15.2f}{result.rounds:>8}"
+                f"{min_rounds(world_size):>11}"
+            )
 
 
 if __name__ == "__main__":

@@ -110,6 +110,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "bench":
             return _bench(console, args)
         submission = resolve(args.submission)
+        if args.backend == "nccl" and not _has_cuda():
+            raise _UsageError("--backend nccl needs CUDA GPUs, and none is visible")
         tests = select(collect(config, parts), args.keyword, args.world_sizes)
     except (_UsageError, ConfigError, SubmissionError) as err:
         print(f"grader: error: {err}", file=sys.stderr)
@@ -155,6 +157,10 @@ def _run(
         if status is not None:
             return status
     print_summary(console, results, seconds)
+    failures = [r.verdict.message for r in results if r.verdict.extra.get("grader_failure")]
+    if failures:
+        print(f"grader: error: {failures[0]}", file=sys.stderr)
+        return EXIT_CANNOT_GRADE
     if results_file is not None:
         console.print(f"results written to {escape(str(results_file))}", highlight=False)
     if interrupted:
@@ -234,6 +240,12 @@ def _bench(console: Console, args: argparse.Namespace) -> int:
     if any(r.records for r in results):
         console.print(f"bus bandwidth plotted in {plot(results, args.output)}", highlight=False)
     return EXIT_PASSED if not any(r.problem for r in results) else EXIT_FAILED
+
+
+def _has_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def _raise_interrupt(signum: int, frame: FrameType | None) -> None:

@@ -163,7 +163,9 @@ class Supervisor:
             if not judged:  # the job never got going: nothing of the student's is to blame
                 message = _launch_failure(job_dir)
                 for test in remaining:
-                    self.on_verdict(test, Verdict(protocol.ERROR, message))
+                    self.on_verdict(
+                        test, Verdict(protocol.ERROR, message, {"grader_failure": True})
+                    )
                 return
             remaining = [t for t in remaining if t.id not in judged]
 

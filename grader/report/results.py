@@ -39,7 +39,7 @@ def to_gradescope(results: list[GradedResult], seconds: float, summary: str) -> 
 
 def _test_entry(number: int, result: GradedResult) -> dict[str, Any]:
     test, verdict = result.test, result.verdict
-    extra = {k: v for k, v in verdict.extra.items() if k not in ("waiting_for", "stack")}
+    extra = {k: v for k, v in verdict.extra.items() if k != "waiting_for"}
     return {
         "number": str(number),
         "name": test.title,
