@@ -138,8 +138,9 @@ def _performance(test: GradedTest, verdict: Verdict, per_rank: list[Any]) -> Ver
     }
     table = (
         f"{function} of {size(n_bytes)} on {test.world_size} ranks: yours {duration(mine_s)} "
-        f"(busbw {extra['student_busbw_GBps']:.2f} GB/s), reference {duration(ref_s)} "
-        f"(busbw {extra['reference_busbw_GBps']:.2f} GB/s): {ratio:.2f}x the reference's time "
+        f"(algbw {extra['student_algbw_GBps']:.3f}, busbw {extra['student_busbw_GBps']:.3f} GB/s), "
+        f"reference {duration(ref_s)} (algbw {extra['reference_algbw_GBps']:.3f}, "
+        f"busbw {extra['reference_busbw_GBps']:.3f} GB/s): {ratio:.2f}x the reference's time "
         f"(median of {len(student)} paired runs; full points within {full_at:g}x, "
         f"none beyond {zero_at:g}x)"
     )

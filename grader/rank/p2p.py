@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -69,7 +70,7 @@ class MessageLog:
     def on_collective(self, name: str, nbytes: int) -> None: ...
 
 
-_waiting_file: Path | None = None
+_waiting_fd: int | None = None  # kept open: set and cleared around every blocking wait
 active_log: MessageLog | None = None
 # torch's own recv may call irecv, which is wrapped too: only the outermost call counts.
 _depth = 0
@@ -77,8 +78,8 @@ _depth = 0
 
 def install(waiting_file: Path) -> None:
     """Replace the point-to-point functions; call once, before the submission is imported."""
-    global _waiting_file
-    _waiting_file = waiting_file
+    global _waiting_fd
+    _waiting_fd = os.open(waiting_file, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
     for name in ("send", "recv", "isend", "irecv"):
         original = getattr(c10d, name)
         if getattr(original, "_grader_watched", False):
@@ -93,7 +94,7 @@ def install(waiting_file: Path) -> None:
 
 def _describe(name: str, original: Callable, args: tuple, kwargs: dict) -> tuple[str, int, int]:
     """Say which call this is, with its peer as a global rank, and return (text, peer, tag)."""
-    bound = inspect.signature(original).bind(*args, **kwargs)
+    bound = _signature(original).bind(*args, **kwargs)
     arguments = bound.arguments
     peer = arguments.get(_PEER_ARGUMENT[name])
     group_peer = arguments.get("group_" + _PEER_ARGUMENT[name])
@@ -110,15 +111,21 @@ def _nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
 
 
+@functools.cache
+def _signature(function: Callable) -> inspect.Signature:
+    return inspect.signature(function)
+
+
 def _set_waiting(text: str, peer: int) -> None:
-    if _waiting_file is not None:
-        _waiting_file.write_text(f"{peer}\t{text}")
+    if _waiting_fd is not None:
+        data = f"{peer}\t{text}".encode()
+        os.pwrite(_waiting_fd, data, 0)
+        os.ftruncate(_waiting_fd, len(data))
 
 
 def _clear_waiting() -> None:
-    if _waiting_file is not None:
-        with open(_waiting_file, "w"):
-            pass
+    if _waiting_fd is not None:
+        os.ftruncate(_waiting_fd, 0)
 
 
 def _translate(error: RuntimeError, call: str, peer: int) -> RuntimeError:
