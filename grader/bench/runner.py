@@ -164,9 +164,10 @@ def plot(results: list[BenchResult], path: Path) -> Path:
     columns = min(4, max(1, len(functions)))
     rows = -(-len(functions) // columns)
     figure, axes = plt.subplots(rows, columns, figsize=(4 * columns, 3.2 * rows), squeeze=False)
-    styles = {"student": "o-", "reference": "s--", "torch": "^:"}
+    colors = {"student": "tab:blue", "reference": "tab:orange", "torch": "tab:green"}
+    lines = ("-", "--", ":", "-.")  # one line style per world size
     for axis, function in zip(axes.flat, functions, strict=False):
-        for result in results:
+        for index, result in enumerate(results):
             for impl in IMPLEMENTATIONS:
                 points = sorted(
                     (r["bytes"], busbw(r, result.world_size))
@@ -174,13 +175,15 @@ def plot(results: list[BenchResult], path: Path) -> Path:
                     if r["function"] == function and r["impl"] == impl and "seconds" in r
                 )
                 if points:
-                    xs, ys = zip(*points, strict=False)
+                    xs, ys = zip(*points, strict=True)
                     axis.plot(
                         xs,
                         ys,
-                        styles[impl],
-                        label=f"{impl}, {result.world_size} ranks",
+                        linestyle=lines[index % len(lines)],
+                        marker="o",
                         markersize=3,
+                        color=colors[impl],
+                        label=f"{impl}, {result.world_size} ranks",
                     )
         axis.set_xscale("log", base=2)
         axis.set_title(function)

@@ -44,3 +44,13 @@ def test_ci_runs_the_readme_test_command():
     assert "pytest" in readme
     assert os.access(REPO / ".ci" / "run", os.X_OK)
     assert os.access(REPO / "gradescope" / "run_autograder", os.X_OK)
+
+
+def test_the_code_is_ruff_clean():
+    """Students read this code: it keeps the style it teaches (ruff, configured in pyproject)."""
+    ruff = shutil.which("ruff")
+    if ruff is None:
+        pytest.fail("ruff is missing: pip install -e '.[dev]' installs it")
+    for args in (["check", "."], ["format", "--check", "."]):
+        done = subprocess.run([ruff, *args], cwd=REPO, capture_output=True, text=True)
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-1000:]
