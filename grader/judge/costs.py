@@ -52,9 +52,13 @@ def assess(test: GradedTest, verdict: Verdict) -> Verdict:
     if not verdict.passed or test.kind not in COST_KINDS:
         return verdict
     per_rank = verdict.extra.get("per_rank") or []
-    if test.kind == "communication":
+    # Only the tests that recorded a collective's messages or times are judged here;
+    # any other test of these kinds judged itself on its ranks.
+    if test.kind == "communication" and "communication" in verdict.extra:
         return _communication(test, verdict, per_rank)
-    return _performance(test, verdict, per_rank)
+    if test.kind == "performance" and per_rank and "student_times" in (per_rank[0] or {}):
+        return _performance(test, verdict, per_rank)
+    return verdict
 
 
 def _communication(test: GradedTest, verdict: Verdict, per_rank: list[Any]) -> Verdict:

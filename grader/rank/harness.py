@@ -30,7 +30,7 @@ from grader import protocol
 from grader.protocol import PlannedTest, ReportWriter
 from grader.rank import context, forbid
 from grader.rank.context import SubmissionImportError, TestContext
-from grader.rank.frames import student_frames
+from grader.rank.frames import is_student_file, student_frames
 from grader.rank.p2p import CommunicationTimeout, PeerGone
 
 _BARRIER_TIMEOUT = datetime.timedelta(hours=1)  # the supervisor's watchdog ends real hangs
@@ -168,8 +168,11 @@ def classify(
     if isinstance(err, SubmissionImportError):
         return protocol.ERROR, str(err), {}
     if isinstance(err, NotImplementedError) and frames:
-        function = frames[-1].split(" in ")[-1].split(":")[0]
-        return protocol.FAILED, f"not implemented yet: {function} raises NotImplementedError", {}
+        return (
+            protocol.FAILED,
+            f"not implemented yet: {_raiser(excinfo)} raises NotImplementedError",
+            {},
+        )
     if isinstance(err, AssertionError):
         return protocol.FAILED, str(err).split("\nassert ")[0].strip() or "assertion failed", {}
     detail = str(err).strip().splitlines()[0] if str(err).strip() else ""
@@ -178,3 +181,15 @@ def classify(
 
 def _peer(rank: int) -> int | None:
     return rank if rank >= 0 else None
+
+
+def _raiser(excinfo: pytest.ExceptionInfo[BaseException]) -> str:
+    """The qualified name (with its class) of the innermost student function in a traceback."""
+    name = ""
+    tb = excinfo.tb
+    while tb is not None:
+        code = tb.tb_frame.f_code
+        if is_student_file(code.co_filename):
+            name = getattr(code, "co_qualname", code.co_name)
+        tb = tb.tb_next
+    return name
