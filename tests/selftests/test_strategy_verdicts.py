@@ -51,7 +51,7 @@ def entries(graded: Graded, part: str) -> dict[tuple[str, int], dict[str, Any]]:
 def assert_only_these_fail(
     graded: Graded, part: str, failing: list[str], not_graded: tuple[str, ...] = ()
 ) -> None:
-    """``failing`` fail, ``not_graded`` (cost tests of a failing target) are not run, the rest pass."""
+    """``failing`` fail, ``not_graded`` (costs of a failing target) are not run, the rest pass."""
     found = entries(graded, part)
     assert found, graded.stdout + graded.stderr
     for (name, size), entry in found.items():
