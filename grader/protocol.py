@@ -50,7 +50,7 @@ class PlannedTest:
 @dataclass(frozen=True)
 class Plan:
     tests: list[PlannedTest]
-    test_file_dir: str
+    job_dir: str
     import_dir: str
     backend: str
     attempt: int
@@ -80,6 +80,24 @@ def waiting_path(job_dir: Path, rank: int) -> Path:
 
 def log_path(job_dir: Path, rank: int) -> Path:
     return job_dir / f"rank{rank}.log"
+
+
+def skip_path(job_dir: Path) -> Path:
+    """The tests the supervisor no longer wants run (their verdict is already known)."""
+    return job_dir / "skip.json"
+
+
+def read_skips(job_dir: Path) -> set[str]:
+    try:
+        return set(json.loads(skip_path(job_dir).read_text()))
+    except (OSError, ValueError):
+        return set()
+
+
+def write_skips(job_dir: Path, ids: set[str]) -> None:
+    temporary = skip_path(job_dir).with_suffix(".tmp")
+    temporary.write_text(json.dumps(sorted(ids)))
+    os.replace(temporary, skip_path(job_dir))
 
 
 class ReportWriter:

@@ -21,6 +21,7 @@ from typing import Any
 
 from grader import protocol
 from grader.catalog import GradedTest
+from grader.judge.costs import COST_KINDS
 from grader.judge.stacks import read_dump, student_stack
 from grader.judge.verdict import RankResult, Verdict, judge
 from grader.launch.job import TorchrunJob, process_alive
@@ -148,6 +149,8 @@ class Supervisor:
         self.on_start = on_start or (lambda test: None)
         # A part whose import ends or hangs the process is not imported again.
         self.poisoned: dict[str, tuple[str, str]] = {}
+        # Cost tests of a function that failed its correctness test: not worth running.
+        self.skips: set[str] = set()
         self._jobs = 0
 
     def run(self, tests: list[GradedTest], world_size: int, backend: str) -> None:
@@ -173,6 +176,7 @@ class Supervisor:
         self, tests: list[GradedTest], world_size: int, backend: str, job_dir: Path
     ) -> set[str]:
         self._plan(tests, backend, job_dir).write(job_dir)
+        protocol.write_skips(job_dir, self.skips)
         run = _JobRun(tests, world_size, job_dir)
         with TorchrunJob(job_dir, world_size) as job:
             while True:
@@ -206,7 +210,7 @@ class Supervisor:
                 )
                 for t in tests
             ],
-            test_file_dir=str(job_dir),
+            job_dir=str(job_dir),
             import_dir=str(self.settings.import_dir),
             backend=backend,
             attempt=self._jobs,
@@ -215,6 +219,17 @@ class Supervisor:
     def _conclude(self, run: _JobRun, watch: _TestWatch, verdict: Verdict) -> None:
         run.judged.add(watch.test.id)
         self.on_verdict(watch.test, verdict)
+        test = watch.test
+        if not verdict.passed and test.kind == "correctness":
+            dependents = {
+                w.test.id
+                for w in run.watches.values()
+                if w.test.kind in COST_KINDS
+                and (w.test.target, w.test.world_size) == (test.target, test.world_size)
+            }
+            if not dependents <= self.skips:
+                self.skips |= dependents
+                protocol.write_skips(run.job_dir, self.skips)
 
     def _after_hang(self, run: _JobRun, watch: _TestWatch) -> None:
         """Judge the test some rank hangs in: who is stuck, where, and waiting for whom."""

@@ -20,6 +20,7 @@ import contextlib
 import datetime
 import time
 from collections.abc import Callable, Generator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -47,6 +48,7 @@ class RankHarness:
         device: torch.device,
         report: ReportWriter,
         attempt: int,
+        job_dir: Path,
     ) -> None:
         self.tests = {t.nodeid: t for t in tests}
         self.order = [t.nodeid for t in tests]
@@ -57,6 +59,8 @@ class RankHarness:
         self.device = device
         self.report = report
         self.attempt = attempt
+        self.job_dir = job_dir
+        self._skipped = False
         self._outcome: tuple[str, str, dict[str, Any]] | None = None
         self._group_error: Exception | None = None
 
@@ -79,11 +83,16 @@ class RankHarness:
             test, self.rank, self.world_size, self.device, self.report, self._barrier_for(test)
         )
         self._group_error = None
+        self._skipped = False
         try:
-            self._fresh_group(test)
+            self._skipped = self._agree_to_skip(test)
+            if not self._skipped:
+                self._fresh_group(test)
         except Exception as err:  # a peer that died between tests
             self._group_error = err
             self._outcome = (protocol.ERROR, f"could not form the process group: {err}", {})
+        if self._skipped:
+            self._outcome = (protocol.NOT_RUN, "skipped: its verdict is already known", {})
         context.set_current(ctx)
         if test.forbid_collectives:
             forbid.activate()
@@ -112,6 +121,8 @@ class RankHarness:
     def pytest_runtest_setup(self, item: pytest.Item) -> None:
         if self._group_error is not None:
             raise self._group_error
+        if self._skipped:
+            pytest.skip("its verdict is already known")
 
     @pytest.hookimpl(hookwrapper=True)
     def pytest_runtest_makereport(
@@ -122,9 +133,18 @@ class RankHarness:
         if report.failed and self._outcome is None:
             self._outcome = classify(call.excinfo, report)
 
+    def _agree_to_skip(self, test: PlannedTest) -> bool:
+        """Whether the supervisor asked to skip ``test`` (say, a cost test of a function
+        that already failed), decided by rank 0 for all: a test run by some ranks only
+        would hang the others."""
+        key = f"attempt{self.attempt}/{test.id}/skip"
+        self._store_barrier(key + "/arrived")
+        if self.rank == 0:
+            self.store.set(key, "1" if test.id in protocol.read_skips(self.job_dir) else "0")
+        return self.store.get(key) == b"1"
+
     def _fresh_group(self, test: PlannedTest) -> None:
         prefix = f"attempt{self.attempt}/{test.id}/"
-        self._store_barrier(prefix + "arrived")
         dist.init_process_group(
             self.backend,
             store=dist.PrefixStore(prefix, self.store),

@@ -50,7 +50,7 @@ def main(job_dir: Path) -> int:
     report.write("ready", rank=rank, pid=os.getpid())
 
     harness = RankHarness(
-        plan.tests, store, rank, world_size, plan.backend, device, report, plan.attempt
+        plan.tests, store, rank, world_size, plan.backend, device, report, plan.attempt, job_dir
     )
     nodeids = list(dict.fromkeys(str(GRADED_DIR / t.nodeid) for t in plan.tests))
     pytest.main(

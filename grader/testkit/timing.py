@@ -30,14 +30,26 @@ def paired_times(
     device: torch.device,
     iterations: int,
     warmup: int,
+    repeats: int = 1,
 ) -> tuple[list[float], list[float]]:
     """Time student and reference alternately, each after a barrier; drop the warm-up pairs.
 
     Alternating in one job, rather than timing one then the other, exposes
     both to the same noise of a shared machine: their ratio is what is fair.
     The order flips every pair (student first, then reference first), so that
-    whatever favours the first or the second call of a pair cancels out.
+    whatever favours the first or the second call of a pair cancels out. Each
+    sample times ``repeats`` calls back to back: the skew with which ranks
+    leave a barrier, and the scheduler's hiccups, weigh less on a longer sample.
     """
+
+    def repeated(call: Callable[[], object]) -> Callable[[], None]:
+        def calls() -> None:
+            for _ in range(repeats):
+                call()
+
+        return calls
+
+    student, reference = repeated(student), repeated(reference)
     mine, theirs = [], []
     for i in range(warmup + iterations):
         pair = {}

@@ -64,8 +64,9 @@ def test_performance(
         collective_call(reference, function, rank, world_size, n, device),
         ctx.barrier,
         device,
-        iterations=int(options.get("iterations", 7)),
-        warmup=int(options.get("warmup", 2)),
+        iterations=int(options.get("iterations", 9)),
+        warmup=int(options.get("warmup", 1)),
+        repeats=int(options.get("repeats", 3)),
     )
     ctx.extra["performance"] = {"function": function, "n_bytes": n * 4}
     ctx.extra["per_rank"] = {"student_times": mine, "reference_times": theirs}

@@ -120,8 +120,13 @@ def test_cheats_earn_nothing(tmp_path: Path):
         )
     assert by_name["scatter"]["extra_data"]["outcome"] == "crashed"
     assert by_name["reduce"]["status"] == "passed"  # it did the work; its forgery is overwritten
-    assert results["score"] == 5
-    assert len(results["tests"]) == 8
+    cheated = ("all_reduce", "broadcast", "scatter")
+    for test in results["tests"]:
+        if test["extra_data"]["target"].split(".")[1] in cheated:
+            assert test["score"] == 0, test["name"]  # no cost points either
+    honest = [t for t in results["tests"] if t["extra_data"]["target"].split(".")[1] not in cheated]
+    assert results["score"] == sum(t["score"] for t in honest) == 10  # 5 functions x 2 points
+    assert len(results["tests"]) == 24
 
 
 def test_exit_during_import_costs_the_part_only(grade):
@@ -140,9 +145,8 @@ def test_syntax_error_is_one_clear_line(grade):
     assert "Traceback" not in graded.stdout + graded.stderr
     for function in FUNCTIONS:
         assert graded.outcome(function, 2) == "error"
-        assert graded.message(function, 2) == (
-            "assignments/collectives.py has a syntax error (line 4): invalid syntax. "
-            "Perhaps you forgot a comma?"
+        assert graded.message(function, 2).startswith(
+            "assignments/collectives.py has a syntax error (line 4): invalid syntax"
         )
 
 
