@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from grader.config import GRADED_DIR, KINDS, ConfigError, GradingConfig, TestSettings
+from grader.config import GRADED_PYTEST_ARGS, KINDS, ConfigError, GradingConfig, TestSettings
 
 
 @dataclass(frozen=True)
@@ -64,20 +64,7 @@ def collect(config: GradingConfig, parts: list[str]) -> list[GradedTest]:
     collector = _Collector()
     files = [str(f) for p in parts for f in config.part(p).files]
     with contextlib.redirect_stdout(io.StringIO()):
-        pytest.main(
-            [
-                *files,
-                "--collect-only",
-                "-q",
-                f"--rootdir={GRADED_DIR}",
-                "-c",
-                str(GRADED_DIR / "pytest.ini"),
-                "--import-mode=importlib",
-                "-p",
-                "no:cacheprovider",
-            ],
-            plugins=[collector],
-        )
+        pytest.main([*files, "--collect-only", "-q", *GRADED_PYTEST_ARGS], plugins=[collector])
     if collector.errors:
         raise ConfigError("cannot collect the graded tests: " + "; ".join(collector.errors))
     file_to_part = {f.name: p for p in parts for f in config.part(p).files}

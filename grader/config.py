@@ -17,6 +17,16 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 GRADED_DIR = REPO_ROOT / "tests" / "graded"
 DEFAULT_CONFIG = GRADED_DIR / "grading.yaml"
 
+# How every pytest run over the graded tests is configured, in the grader and on the ranks.
+GRADED_PYTEST_ARGS = (
+    f"--rootdir={GRADED_DIR}",
+    "-c",
+    str(GRADED_DIR / "pytest.ini"),
+    "--import-mode=importlib",
+    "-p",
+    "no:cacheprovider",
+)
+
 VISIBILITIES = ("hidden", "after_due_date", "after_published", "visible")
 KINDS = ("correctness", "performance", "communication", "schedule")
 

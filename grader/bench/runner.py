@@ -19,12 +19,13 @@ from typing import Any
 
 from rich.console import Console
 from rich.markup import escape
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import Progress
 from rich.table import Table
 
 from grader import protocol
 from grader.judge.communication import BUS_FACTOR
 from grader.launch.job import TorchrunJob
+from grader.report.terminal import progress_bar
 from grader.report.units import duration, size
 from grader.submission import stage
 
@@ -50,15 +51,7 @@ def run_bench(
 ) -> list[BenchResult]:
     results = []
     total = len(world_sizes) * len(functions) * len(sizes) * len(IMPLEMENTATIONS)
-    progress = Progress(
-        TextColumn("[bold]bench"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        TextColumn("{task.description}"),
-        console=console,
-        transient=True,
-    )
+    progress = progress_bar(console, "bench")
     with tempfile.TemporaryDirectory(prefix="grader-bench-") as work, progress:
         task = progress.add_task("", total=total)
         import_dir = Path(work).resolve() / "import"

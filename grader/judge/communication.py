@@ -30,17 +30,9 @@ BANDWIDTH_BOUND = {
     "broadcast": lambda p: 1.0,
     "reduce": lambda p: 1.0,
 }
-# nccl-tests' bus bandwidth factors (busbw = algbw * factor), for the same n.
-BUS_FACTOR = {
-    "all_reduce": lambda p: 2 * (p - 1) / p,
-    "all_gather": lambda p: (p - 1) / p,
-    "reduce_scatter": lambda p: (p - 1) / p,
-    "all_to_all": lambda p: (p - 1) / p,
-    "scatter": lambda p: (p - 1) / p,
-    "gather": lambda p: (p - 1) / p,
-    "broadcast": lambda p: 1.0,
-    "reduce": lambda p: 1.0,
-}
+# nccl-tests' bus bandwidth factors (busbw = algbw * factor) are these same ratios: busbw
+# is the bandwidth a rank's link sees when the collective moves exactly the bound.
+BUS_FACTOR = BANDWIDTH_BOUND
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from grader import protocol
-from grader.config import GRADED_DIR, REPO_ROOT
+from grader.config import GRADED_DIR, GRADED_PYTEST_ARGS, REPO_ROOT
 from grader.rank import forbid, frames, p2p
 from grader.rank.harness import RankHarness
 
@@ -53,21 +53,7 @@ def main(job_dir: Path) -> int:
         plan.tests, store, rank, world_size, plan.backend, device, report, plan.attempt, job_dir
     )
     nodeids = list(dict.fromkeys(str(GRADED_DIR / t.nodeid) for t in plan.tests))
-    pytest.main(
-        [
-            *nodeids,
-            f"--rootdir={GRADED_DIR}",
-            "-c",
-            str(GRADED_DIR / "pytest.ini"),
-            "--import-mode=importlib",
-            "-p",
-            "no:cacheprovider",
-            "-p",
-            "no:timeout",
-            "-q",
-        ],
-        plugins=[harness],
-    )
+    pytest.main([*nodeids, *GRADED_PYTEST_ARGS, "-p", "no:timeout", "-q"], plugins=[harness])
     report.write("finished")
     return 0
 

@@ -27,20 +27,25 @@ OUTCOME_STYLE = {
 }
 
 
+def progress_bar(console: Console, label: str) -> Progress:
+    """The one progress bar of the grader: label, bar, done of all, time, what runs now."""
+    return Progress(
+        TextColumn(f"[bold]{label}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        TextColumn("{task.description}"),
+        console=console,
+        transient=True,
+    )
+
+
 class ProgressDisplay:
     """A live progress bar: tests done of all, the test running now, and failures as they come."""
 
     def __init__(self, console: Console, total: int) -> None:
         self.console = console
-        self.progress = Progress(
-            TextColumn("[bold]grading"),
-            BarColumn(),
-            MofNCompleteColumn(),
-            TimeElapsedColumn(),
-            TextColumn("{task.description}"),
-            console=console,
-            transient=True,
-        )
+        self.progress = progress_bar(console, "grading")
         self.task = self.progress.add_task("", total=total)
 
     def __enter__(self) -> ProgressDisplay:
