@@ -16,6 +16,7 @@ def configure(import_dir: Path) -> None:
     global _student_root
     _student_root = (import_dir / "assignments").resolve()
     is_student_file.cache_clear()
+    display_path.cache_clear()
 
 
 @functools.lru_cache(maxsize=1024)
@@ -28,6 +29,7 @@ def is_student_file(filename: str) -> bool:
         return False
 
 
+@functools.lru_cache(maxsize=1024)
 def display_path(filename: str) -> str:
     """``assignments/collectives.py`` rather than a temporary directory's full path."""
     if _student_root is not None and is_student_file(filename):
