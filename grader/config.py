@@ -7,7 +7,7 @@ so that a typo is reported as one clear line (exit status 2) before any job star
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -155,7 +155,7 @@ def _settings(
     )
     if settings.visibility not in VISIBILITIES:
         raise ConfigError(f"{where}: visibility must be one of {', '.join(VISIBILITIES)}")
-    return replace(settings)
+    return settings
 
 
 def _number(value: Any, where: str, key: str, minimum: float) -> float:

@@ -50,7 +50,6 @@ class PlannedTest:
 @dataclass(frozen=True)
 class Plan:
     tests: list[PlannedTest]
-    job_dir: str
     import_dir: str
     backend: str
     attempt: int

@@ -175,7 +175,7 @@ class Supervisor:
     def _run_job(
         self, tests: list[GradedTest], world_size: int, backend: str, job_dir: Path
     ) -> set[str]:
-        self._plan(tests, backend, job_dir).write(job_dir)
+        self._plan(tests, backend).write(job_dir)
         protocol.write_skips(job_dir, self.skips)
         run = _JobRun(tests, world_size, job_dir)
         with TorchrunJob(job_dir, world_size) as job:
@@ -197,7 +197,7 @@ class Supervisor:
                 time.sleep(_POLL_SECONDS)
         return run.judged
 
-    def _plan(self, tests: list[GradedTest], backend: str, job_dir: Path) -> protocol.Plan:
+    def _plan(self, tests: list[GradedTest], backend: str) -> protocol.Plan:
         return protocol.Plan(
             tests=[
                 protocol.PlannedTest(
@@ -210,7 +210,6 @@ class Supervisor:
                 )
                 for t in tests
             ],
-            job_dir=str(job_dir),
             import_dir=str(self.settings.import_dir),
             backend=backend,
             attempt=self._jobs,
