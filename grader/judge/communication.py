@@ -15,9 +15,10 @@ machine, so they can be graded on a noisy laptop. For p ranks and n bytes
 from __future__ import annotations
 
 import math
-from collections import defaultdict, deque
 from dataclasses import dataclass
 from typing import Any
+
+from grader.judge.replay import replay
 
 # Bytes the busiest rank must send or receive, as a multiple of n, for p ranks.
 BANDWIDTH_BOUND = {
@@ -64,57 +65,37 @@ def figures(per_rank: list[list[dict[str, Any]]]) -> Figures:
     traffic = [max(s, r) for s, r in zip(sent, received, strict=False)]
     busiest = max(range(len(traffic)), key=traffic.__getitem__) if traffic else 0
     messages = sum(1 for events in per_rank for e in events if e["op"] == "send")
-    depths = message_depths(per_rank)
     return Figures(
         traffic[busiest] if traffic else 0,
         busiest,
         messages,
-        max(depths.values(), default=0),
+        count_rounds(per_rank),
         sent,
         received,
     )
 
 
-def message_depths(per_rank: list[list[dict[str, Any]]]) -> dict[tuple[int, int], int]:
-    """The round of every send and arrival, keyed by (rank, index of the event in its log).
+def count_rounds(per_rank: list[list[dict[str, Any]]]) -> int:
+    """The rounds of the longest chain of messages, each waiting for the one before.
 
     One-port, full-duplex model (each rank sends at most one message and
     receives at most one per round): a send leaves in the round after both the
     last message its rank received and its previous send; a message arrives in
-    its send's round, or after its receiver's previous arrival. The k-th send
-    from r to s with a tag matches the k-th receive at s from r with that tag.
-    Receives whose send never appears are ignored.
+    its send's round, or after its receiver's previous arrival.
     """
-    matches: dict[tuple[int, int, int], deque[int]] = defaultdict(
-        deque
-    )  # (src, dst, tag) -> depths
-    depth: dict[tuple[int, int], int] = {}
-    position = [0] * len(per_rank)
-    clock = [0] * len(per_rank)
-    last_send = [0] * len(per_rank)
-    last_arrival = [0] * len(per_rank)
-    progress = True
-    while progress:
-        progress = False
-        for rank, events in enumerate(per_rank):
-            while position[rank] < len(events):
-                event = events[position[rank]]
-                if event["op"] == "send":
-                    round_ = max(clock[rank], last_send[rank]) + 1
-                    last_send[rank] = round_
-                    depth[(rank, position[rank])] = round_
-                    matches[(rank, event["peer"], event["tag"])].append(round_)
-                elif event["op"] == "recv":
-                    queue = matches[(event["peer"], rank, event["tag"])]
-                    if not queue:
-                        break  # its send is not known yet: come back to this rank later
-                    arrival = max(queue.popleft(), last_arrival[rank] + 1)
-                    last_arrival[rank] = arrival
-                    depth[(rank, position[rank])] = arrival
-                    clock[rank] = max(clock[rank], arrival)
-                position[rank] += 1
-                progress = True
-    return depth
+    ranks = len(per_rank)
+    clock, last_send, last_arrival = [0] * ranks, [0] * ranks, [0] * ranks
+
+    def on_send(rank: int, event: dict[str, Any]) -> float:
+        last_send[rank] = max(clock[rank], last_send[rank]) + 1
+        return last_send[rank]
+
+    def on_arrival(rank: int, event: dict[str, Any], sent_in: float) -> None:
+        last_arrival[rank] = max(int(sent_in), last_arrival[rank] + 1)
+        clock[rank] = max(clock[rank], last_arrival[rank])
+
+    replay(per_rank, on_send, on_arrival)
+    return max([*last_send, *last_arrival], default=0)
 
 
 def bound_bytes(function: str, world_size: int, n_bytes: int) -> float:

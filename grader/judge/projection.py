@@ -11,13 +11,14 @@ is p/2 times slower on eight GPUs.
 
 from __future__ import annotations
 
-from collections import defaultdict, deque
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 from typing import Any
 
 import yaml
+
+from grader.judge.replay import replay
 
 MACHINES_FILE = Path(__file__).with_name("machines.yaml")
 
@@ -74,28 +75,18 @@ def _link(raw: dict[str, float] | None) -> Link | None:
 def project(per_rank: list[list[dict[str, Any]]], machine: Machine) -> float:
     """Seconds until the last rank is done, replaying the logged messages on ``machine``."""
     world_size = len(per_rank)
-    arrivals: dict[tuple[int, int, int], deque[float]] = defaultdict(deque)
-    position = [0] * world_size
     clock = [0.0] * world_size  # when the rank may next act
     port_free = [0.0] * world_size  # when its outgoing link is free again
-    progress = True
-    while progress:
-        progress = False
-        for rank, events in enumerate(per_rank):
-            while position[rank] < len(events):
-                event = events[position[rank]]
-                if event["op"] == "send":
-                    start = max(clock[rank], port_free[rank])
-                    done = start + machine.link(rank, event["peer"], world_size).cost(
-                        event["nbytes"]
-                    )
-                    port_free[rank] = done
-                    arrivals[(rank, event["peer"], event["tag"])].append(done)
-                elif event["op"] == "recv":
-                    queue = arrivals[(event["peer"], rank, event["tag"])]
-                    if not queue:
-                        break
-                    clock[rank] = max(clock[rank], queue.popleft())
-                position[rank] += 1
-                progress = True
-    return max(max(clock, default=0.0), max(port_free, default=0.0))
+
+    def on_send(rank: int, event: dict[str, Any]) -> float:
+        start = max(clock[rank], port_free[rank])
+        port_free[rank] = start + machine.link(rank, event["peer"], world_size).cost(
+            event["nbytes"]
+        )
+        return port_free[rank]
+
+    def on_arrival(rank: int, event: dict[str, Any], arrives: float) -> None:
+        clock[rank] = max(clock[rank], arrives)
+
+    replay(per_rank, on_send, on_arrival)
+    return max([*clock, *port_free], default=0.0)
