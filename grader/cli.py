@@ -11,9 +11,11 @@ Anything wrong with the input is one line on stderr, never a traceback.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import signal
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from types import FrameType
 
@@ -141,15 +143,13 @@ def _run(
     backend: str,
     results_file: Path | None,
 ) -> int:
-    previous = signal.signal(signal.SIGTERM, _raise_interrupt)
     start = time.monotonic()
     console.print(
         f"Grading [bold]{escape(str(submission))}[/] ({len(tests)} tests)", highlight=False
     )
-    with ProgressDisplay(console, len(tests)) as display:
+    with _terminate_as_interrupt(), ProgressDisplay(console, len(tests)) as display:
         listener = Listener(display.on_start, display.on_verdict)
         results, interrupted = grade(tests, submission, backend, listener)
-    signal.signal(signal.SIGTERM, previous)
     seconds = time.monotonic() - start
     # The results file first: nothing that follows may lose it.
     if results_file is not None:
@@ -221,21 +221,19 @@ def _bench(console: Console, args: argparse.Namespace) -> int:
         raise _UsageError(f"no collective matches -k {args.keyword}")
     sizes = [s for s in DEFAULT_SIZES if s <= args.max_bytes] or [args.max_bytes]
     submission = resolve(args.submission)
-    previous = signal.signal(signal.SIGTERM, _raise_interrupt)
     try:
-        results = run_bench(
-            console,
-            submission,
-            functions,
-            args.world_sizes or [2, 4],
-            sizes,
-            max(1, args.iterations),
-        )
+        with _terminate_as_interrupt():
+            results = run_bench(
+                console,
+                submission,
+                functions,
+                args.world_sizes or [2, 4],
+                sizes,
+                max(1, args.iterations),
+            )
     except KeyboardInterrupt:
         console.print("[bold red]interrupted[/]: every worker was stopped")
         return EXIT_INTERRUPTED
-    finally:
-        signal.signal(signal.SIGTERM, previous)
     print_tables(console, results)
     if any(r.records for r in results):
         console.print(f"bus bandwidth plotted in {plot(results, args.output)}", highlight=False)
@@ -248,8 +246,18 @@ def _has_cuda() -> bool:
     return torch.cuda.is_available()
 
 
-def _raise_interrupt(signum: int, frame: FrameType | None) -> None:
-    raise KeyboardInterrupt
+@contextlib.contextmanager
+def _terminate_as_interrupt() -> Iterator[None]:
+    """SIGTERM ends a run the way Ctrl-C does: every job killed, what was graded kept."""
+
+    def interrupt(signum: int, frame: FrameType | None) -> None:
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 if __name__ == "__main__":

@@ -21,25 +21,17 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from grader import protocol
-from grader.config import REPO_ROOT
 from grader.judge.projection import machines, project
-from grader.rank import frames, p2p
 from grader.rank.accounting import recording
+from grader.rank.worker import enter_rank
 from grader.testkit.calls import TORCH_COLLECTIVES, collective_call
 from grader.testkit.timing import time_call
 
 
 def main(job_dir: Path) -> int:
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    log = os.open(protocol.log_path(job_dir, rank), os.O_WRONLY | os.O_CREAT | os.O_APPEND)
-    os.dup2(log, 1)
-    os.dup2(log, 2)
     plan = json.loads((job_dir / "bench.json").read_text())
-    report = protocol.ReportWriter(protocol.report_path(job_dir, rank))
-    sys.path[:0] = [plan["import_dir"], str(REPO_ROOT)]
-    frames.configure(Path(plan["import_dir"]))
-    p2p.install(protocol.waiting_path(job_dir, rank))
+    report = enter_rank(job_dir, rank, Path(plan["import_dir"]))
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=plan["op_timeout"]))
     report.write("ready", rank=rank, pid=os.getpid())
 

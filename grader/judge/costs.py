@@ -23,19 +23,23 @@ from grader.report.units import duration, size
 COST_KINDS = ("communication", "performance")
 
 
+def must_pass_first(cost: GradedTest, other: GradedTest) -> bool:
+    """Whether ``other`` is a correctness test that ``cost`` waits on: same target, same size."""
+    return (
+        cost.kind in COST_KINDS
+        and other.kind == "correctness"
+        and (other.target, other.world_size) == (cost.target, cost.world_size)
+    )
+
+
 def gate(
     test: GradedTest, verdict: Verdict, known: dict[str, tuple[GradedTest, Verdict]]
 ) -> Verdict:
     """``not_run`` unless every correctness test of the same target and world size passed."""
-    if test.kind not in COST_KINDS:
-        return verdict
     failed = [
         other
         for other, other_verdict in known.values()
-        if other.kind == "correctness"
-        and other.target == test.target
-        and other.world_size == test.world_size
-        and not other_verdict.passed
+        if must_pass_first(test, other) and not other_verdict.passed
     ]
     if not failed:
         return verdict

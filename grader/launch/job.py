@@ -67,14 +67,7 @@ class TorchrunJob:
         self._process.wait()
 
     def log_tail(self, lines: int = 5) -> str:
-        try:
-            text = (self.job_dir / "torchrun.log").read_text(errors="replace")
-        except OSError:
-            return ""
-        useful = [
-            line for line in text.splitlines() if line.strip() and "OMP_NUM_THREADS" not in line
-        ]
-        return "\n".join(useful[-lines:])
+        return log_tail(self.job_dir, lines)
 
     def __enter__(self) -> TorchrunJob:
         self.start()
@@ -87,6 +80,16 @@ class TorchrunJob:
         tb: TracebackType | None,
     ) -> None:
         self.kill()
+
+
+def log_tail(job_dir: Path, lines: int = 5) -> str:
+    """The last lines torchrun printed for the job in ``job_dir``, without its usual banner."""
+    try:
+        text = (job_dir / "torchrun.log").read_text(errors="replace")
+    except OSError:
+        return ""
+    useful = [line for line in text.splitlines() if line.strip() and "OMP_NUM_THREADS" not in line]
+    return "\n".join(useful[-lines:])
 
 
 def descendants(root: int) -> list[int]:

@@ -21,10 +21,10 @@ from typing import Any
 
 from grader import protocol
 from grader.catalog import GradedTest
-from grader.judge.costs import COST_KINDS
+from grader.judge.costs import must_pass_first
 from grader.judge.stacks import read_dump, student_stack
 from grader.judge.verdict import RankResult, Verdict, judge
-from grader.launch.job import TorchrunJob, process_alive
+from grader.launch.job import TorchrunJob, log_tail, process_alive
 from grader.rank.p2p import read_waiting
 
 _POLL_SECONDS = 0.05
@@ -218,13 +218,9 @@ class Supervisor:
     def _conclude(self, run: _JobRun, watch: _TestWatch, verdict: Verdict) -> None:
         run.judged.add(watch.test.id)
         self.on_verdict(watch.test, verdict)
-        test = watch.test
-        if not verdict.passed and test.kind == "correctness":
+        if not verdict.passed:
             dependents = {
-                w.test.id
-                for w in run.watches.values()
-                if w.test.kind in COST_KINDS
-                and (w.test.target, w.test.world_size) == (test.target, test.world_size)
+                w.test.id for w in run.watches.values() if must_pass_first(w.test, watch.test)
             }
             if not dependents <= self.skips:
                 self.skips |= dependents
@@ -307,5 +303,5 @@ def _last_words(log: Path, limit: int = 240) -> str:
 
 
 def _launch_failure(job_dir: Path) -> str:
-    tail = TorchrunJob(job_dir, 0).log_tail(3).replace("\n", " | ")
+    tail = log_tail(job_dir, 3).replace("\n", " | ")
     return "the grader could not start this job" + (f": {tail}" if tail else "")

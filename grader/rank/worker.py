@@ -25,21 +25,26 @@ from grader.rank import forbid, frames, p2p
 from grader.rank.harness import RankHarness
 
 
-def main(job_dir: Path) -> int:
-    rank = int(os.environ["RANK"])
-    world_size = int(os.environ["WORLD_SIZE"])
+def enter_rank(job_dir: Path, rank: int, import_dir: Path) -> protocol.ReportWriter:
+    """What every rank of every job does first: its output to its log file, the staged
+    submission and the reference on the import path, the p2p watch installed before any
+    student code is imported. Returns the rank's report."""
     log = os.open(protocol.log_path(job_dir, rank), os.O_WRONLY | os.O_CREAT | os.O_APPEND)
     os.dup2(log, 1)
     os.dup2(log, 2)
-    stacks = open(protocol.stacks_path(job_dir, rank), "w")  # noqa: SIM115 - lives as long as the rank
-    faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
-
-    plan = protocol.Plan.read(job_dir)
-    report = protocol.ReportWriter(protocol.report_path(job_dir, rank))
-    import_dir = Path(plan.import_dir)
     sys.path[:0] = [str(import_dir), str(REPO_ROOT)]
     frames.configure(import_dir)
     p2p.install(protocol.waiting_path(job_dir, rank))
+    return protocol.ReportWriter(protocol.report_path(job_dir, rank))
+
+
+def main(job_dir: Path) -> int:
+    rank = int(os.environ["RANK"])
+    world_size = int(os.environ["WORLD_SIZE"])
+    plan = protocol.Plan.read(job_dir)
+    report = enter_rank(job_dir, rank, Path(plan.import_dir))
+    stacks = open(protocol.stacks_path(job_dir, rank), "w")  # noqa: SIM115 - lives as long as the rank
+    faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
     forbid.install()
 
     device = torch.device("cpu")
