@@ -36,6 +36,31 @@ What must work, and the usual pitfalls:
   ``dist.get_global_rank(group, r)`` converts a group rank when ``group`` is not ``None``,
   and ``dist.get_group_rank(group, src)`` goes the other way.
 
+How it is graded (``grader list collectives``; points and ratios in tests/graded/grading.yaml):
+
+* Correctness, 1 point per function per world size p = 1, 2, 3, 4. One test calls the
+  function on many cases: 1 element (fewer than the ranks), 2p + 1 elements (a size p does
+  not divide), a non-contiguous 3x5 view, each in 4 dtypes (float32, float64, bfloat16,
+  int64), and one float32 tensor of about 1M elements; the rooted operations with every
+  rank as the root. Floats may differ from the exact sum by a few rounding errors of
+  their dtype per rank; integers must be exact. The first wrong element fails the test.
+* ``communication[<function>]``, 0.5 point at p = 2, 3, 4, on 49152 float32 elements
+  (192 KB): the bytes the busiest rank sends or receives (the larger), as the grader's
+  broker counted them, against the lower bound given in each function's "Graded" line;
+  within the ratio given there earns the points, beyond it none. The message also reports
+  your rounds against the reference's and the ceil(log2 p) minimum: a round is one step of
+  the longest chain of messages each of which waits for the one before (a rank sends one
+  message and receives one per round). Rounds are not scored here; they are latency, which
+  the performance test prices.
+* ``performance[<function>]``, 0.5 point at p = 2 and 4, on 1M float32 elements (4 MB):
+  your message pattern (sizes, order, dependencies) is replayed on models of real machines
+  (8 GPUs on NVLink, 2 nodes on InfiniBand) against the reference's pattern of the same
+  call: full points within 1.5x the reference's time (geometric mean over the machines),
+  none beyond 3x, linear between. Local arithmetic is not modelled; wall-clock time is not
+  measured, so the score is the same on any machine. ``grader bench`` shows the same
+  projection for every message size.
+* Both cost tests check the result first: a wrong result earns none of their points.
+
 Costs below are for p ranks and n bytes: rounds of messages, and bytes sent by the busiest
 rank. Background: Thakur, Rabenseifner & Gropp, "Optimization of Collective Communication
 Operations in MPICH" (2005); Chan et al., "Collective communication: theory, practice, and
@@ -67,6 +92,9 @@ def broadcast(tensor: Tensor, src: int, group: ProcessGroup | None = None) -> No
           busiest rank sends 2(p-1)/p n < 2n bytes, whatever p. Lower bound: n.
 
     Number ranks relative to the root, ``(rank - src) % p``, so any root works.
+
+    Graded: correctness as in the module notes; communication: the busiest rank may move at most
+    2.0x the bound of n bytes (the tensor).
     """
     raise NotImplementedError("collectives.broadcast: not implemented yet")
 
@@ -87,6 +115,9 @@ def reduce(tensor: Tensor, dst: int, group: ProcessGroup | None = None) -> None:
           recursive halving when p is a power of two), so rank i holds the full sum of
           piece i, then gather the pieces to the root with a binomial tree. The busiest rank
           sends < 2n bytes. Lower bound: n. Do it on a private copy of ``tensor``.
+
+    Graded: correctness as in the module notes; communication: the busiest rank may move at most
+    2.0x the bound of n bytes (the tensor).
     """
     raise NotImplementedError("collectives.reduce: not implemented yet")
 
@@ -107,6 +138,9 @@ def all_reduce(tensor: Tensor, group: ProcessGroup | None = None) -> None:
           sends 2(p-1)/p n bytes, which is the lower bound.
 
     Sending and receiving in the same step needs ``isend``/``irecv`` (see the module notes).
+
+    Graded: correctness as in the module notes; communication: the busiest rank may move at most
+    1.25x the bound of 2(p-1)/p n bytes.
     """
     raise NotImplementedError("collectives.all_reduce: not implemented yet")
 
@@ -130,6 +164,9 @@ def scatter(
           then hands half of them to each child, the biggest subtree first. ceil(log2 p)
           rounds; the root sends (p-1)/p n bytes (n = the whole list), the lower bound.
           It must work for any p, not only powers of two.
+
+    Graded: correctness as in the module notes; communication: the busiest rank may move at most
+    1.25x the bound of (p-1)/p n (n = the whole list) bytes.
     """
     raise NotImplementedError("collectives.scatter: not implemented yet")
 
@@ -151,6 +188,9 @@ def gather(
         * Binomial tree (aim for this one), the mirror of ``scatter``: each rank collects its
           children's subtrees, then sends its whole subtree to its parent in one message.
           ceil(log2 p) rounds; the root receives (p-1)/p n bytes (n = all entries together).
+
+    Graded: correctness as in the module notes; communication: the busiest rank may move at most
+    1.25x the bound of (p-1)/p n (n = the whole list) bytes.
     """
     raise NotImplementedError("collectives.gather: not implemented yet")
 
@@ -171,6 +211,9 @@ def all_gather(
           previous step (its own at s = 0) to rank r+1 and receives a new one from rank r-1.
           p-1 rounds; every rank sends (p-1)/p n bytes (n = the whole output), the lower
           bound, for any p.
+
+    Graded: correctness as in the module notes; communication: the busiest rank may move at most
+    1.25x the bound of (p-1)/p n (n = the whole output list) bytes.
     """
     raise NotImplementedError("collectives.all_gather: not implemented yet")
 
@@ -192,6 +235,9 @@ def reduce_scatter(
           entry to rank r+1 and adds the partial sum of another entry received from rank
           r-1; choose the order so that rank r ends with the full sum of entry r.
           p-1 rounds; every rank sends (p-1)/p n bytes (n = the whole input list).
+
+    Graded: correctness as in the module notes; communication: the busiest rank may move at most
+    1.25x the bound of (p-1)/p n (n = the whole input list) bytes.
     """
     raise NotImplementedError("collectives.reduce_scatter: not implemented yet")
 
@@ -213,5 +259,8 @@ def all_to_all(
           k = 1..p-1 send ``input_list[(r+k) % p]`` to rank r+k while receiving
           ``output_list[(r-k) % p]`` from rank r-k, both at once. p-1 rounds; every rank
           sends (p-1)/p n bytes (n = its whole input list), the lower bound.
+
+    Graded: correctness as in the module notes; communication: the busiest rank may move at most
+    1.25x the bound of (p-1)/p n (n = one rank's whole input list) bytes.
     """
     raise NotImplementedError("collectives.all_to_all: not implemented yet")

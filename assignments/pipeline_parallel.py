@@ -58,6 +58,12 @@ Pitfalls:
   ``send_forward_recv_backward`` does), or ``isend`` and wait later. A tensor given to
   ``isend`` must stay alive, unmodified, until its work is waited.
 - ``m < p`` is allowed: then some stages have no steady state at all (``min`` above).
+
+Graded (``grader list pipeline_parallel``; points in tests/graded/grading.yaml), at
+p = 2, 3, 4 stages with fewer microbatches than stages, as many, and ``2p + 1``: the loss
+(on the last stage) and every gradient must equal those of the mean loss over the whole
+batch, in float64. The ``*_schedule`` tests record the order of each stage's forwards and
+backwards and compare it with the schedule's (drawn side by side when it differs).
 """
 
 from __future__ import annotations

@@ -17,6 +17,14 @@ A column-parallel layer feeding a row-parallel one needs no communication in bet
 Pitfalls: the row-parallel bias must be added once, after the sum (not p times); a dimension
 that p does not divide raises `ValueError` naming it, e.g. "out_features=10 is not divisible
 by the tensor-parallel size 4"; shards are taken with the group's rank.
+
+Graded (`grader list tensor_parallel`; points in tests/graded/grading.yaml), at p = 1, 2, 4:
+full `nn.Linear` layers are sharded with your `from_linear`/`from_linears`, then one forward
+and backward: the shard each rank holds, the output and the gradients of the input, weight
+and bias must match the full layers in float64, within float32 rounding; each of the four
+region functions forward and backward, on non-contiguous inputs; a dimension p does not
+divide must raise `ValueError` naming it. `parallel_mlp_communication` (p = 2, 4): the MLP's
+forward and its backward each make exactly one all-reduce, and no other operation.
 """
 
 from __future__ import annotations

@@ -5,7 +5,8 @@
 One torchrun job alternates the two (reference first, then torch first, and
 so on) on the same float32 tensor, each call after a barrier; an iteration
 lasts as long as its slowest rank; the figure is the median of the paired
-ratios reference / torch, the same statistic the performance tests use.
+ratios reference / torch (wall-clock over gloo: the performance tests replay message
+patterns instead, see grader/judge/costs.py).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ def worker(megabytes: int, pairs: int) -> None:
     import torch.distributed as dist
 
     import reference.collectives as reference
-    from grader.testkit.timing import time_call
+    from grader.bench.timing import time_call
 
     dist.init_process_group("gloo")
     tensor = torch.randn(megabytes * (1 << 20) // 4)

@@ -1,11 +1,12 @@
-"""No flakes: grade the same submissions several times and count the cost points they earn.
+"""No flakes: grade the same submissions several times; every run must give the same scores.
 
-    python benchmarks/repeat_grading.py [--runs 10]
+    python benchmarks/repeat_grading.py [--runs 10] [--parts collectives ...]
 
-The reference must earn every performance and communication point on every
-run, on this noisy machine; a correct but naive all-reduce (every rank sends
-its whole tensor to every other) must lose its communication points at world
-sizes 3 and 4 on every run. Prints one line per run and a verdict.
+The reference must earn every point on every run, test by test identical,
+on this noisy machine (cost points are judged from message patterns, not
+clocks); a correct but naive all-reduce (every rank sends its whole tensor
+to every other) must lose the same communication and performance points at
+world sizes 3 and 4 on every run. Prints one line per run and a verdict.
 """
 
 from __future__ import annotations
@@ -49,18 +50,24 @@ def cost_points(results: dict, name_contains: str = "") -> tuple[float, float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--runs", type=int, default=10)
+    parser.add_argument("--parts", nargs="*", default=[], help="default: every part")
     args = parser.parse_args()
     flakes = 0
+    first: dict[str, float] | None = None
     for run in range(1, args.runs + 1):
-        results, seconds = grade(["collectives", "--submission", "reference"])
-        earned, maximum = cost_points(results)
-        worst = max((t["extra_data"].get("time_ratio", 0) for t in results["tests"]), default=0)
-        flakes += earned != maximum
+        results, seconds = grade([*args.parts, "--submission", "reference"])
+        scores = {t["name"]: t["score"] for t in results["tests"]}
+        maximum = sum(t["max_score"] for t in results["tests"])
+        first = first or scores
+        flakes += scores != first or results["score"] != maximum
+        earned, cost_maximum = cost_points(results)
         print(
-            f"reference run {run}: cost points {earned:g} / {maximum:g}, "
-            f"worst time ratio {worst:.2f}, {seconds:.0f} s",
+            f"reference run {run}: {results['score']:g} / {maximum:g} points "
+            f"(cost points {earned:g} / {cost_maximum:g}), "
+            f"{'identical to run 1' if scores == first else 'DIFFERS from run 1'}, {seconds:.0f} s",
             flush=True,
         )
+    naive: dict[str, float] | None = None
     for run in range(1, args.runs + 1):
         results, seconds = grade(
             [
@@ -76,9 +83,12 @@ def main() -> None:
             ]
         )
         earned, maximum = cost_points(results, "communication[all_reduce]")
-        flakes += earned != 0
+        scores = {t["name"]: t["score"] for t in results["tests"]}
+        naive = naive or scores
+        flakes += earned != 0 or scores != naive
         print(
             f"naive all-reduce run {run}: communication points {earned:g} / {maximum:g}, "
+            f"every score {'identical to run 1' if scores == naive else 'DIFFERS'}, "
             f"{seconds:.0f} s",
             flush=True,
         )

@@ -9,12 +9,17 @@ from __future__ import annotations
 
 import contextlib
 import io
+import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import pytest
 
-from grader.config import GRADED_PYTEST_ARGS, KINDS, ConfigError, GradingConfig, TestSettings
+from grader import config as course
+from grader.config import KINDS, ConfigError, GradingConfig, TestSettings
+
+_AUTOLOAD = "PYTEST_DISABLE_PLUGIN_AUTOLOAD"
 
 
 @dataclass(frozen=True)
@@ -38,21 +43,70 @@ class GradedTest:
         return f"{self.part}: {self.name} (world size {self.world_size})"
 
 
+@contextlib.contextmanager
+def graded_pytest() -> Iterator[None]:
+    """A pytest run of the graded tests: no third-party plugin (one would write files into
+    the user's directory, or change how tests run), and pytest's output kept off the terminal."""
+    previous = os.environ.get(_AUTOLOAD)
+    os.environ[_AUTOLOAD] = "1"
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):
+            yield
+    finally:
+        if previous is None:
+            del os.environ[_AUTOLOAD]
+        else:
+            os.environ[_AUTOLOAD] = previous
+
+
+class WorldSizes:
+    """Runs every graded test once per world size that grading.yaml gives it.
+
+    The sizes are a parameter, ``world_size``, of every test that asks for it
+    (through the ``world`` fixture): the same node ids in collection and in grading.
+    """
+
+    def __init__(self, config: GradingConfig) -> None:
+        self.config = config
+        self.part_of = {f.name: p for p in config.parts for f in config.part(p).files}
+
+    def pytest_generate_tests(self, metafunc: pytest.Metafunc) -> None:
+        if "world_size" not in metafunc.fixturenames:
+            return
+        part = self.part_of.get(metafunc.definition.path.name)
+        if part is None:
+            return
+        name = metafunc.definition.originalname.removeprefix("test_")
+        sizes = self.config.part(part).settings_for(name).world_sizes
+        metafunc.parametrize("world_size", sizes, ids=[f"ws{n}" for n in sizes])
+
+
+@dataclass(frozen=True)
+class _Item:
+    nodeid: str
+    name: str
+    world_size: int | None
+    marker: dict[str, Any] | None
+
+
 class _Collector:
     def __init__(self) -> None:
-        self.items: list[tuple[str, str, dict[str, Any] | None]] = []
+        self.items: list[_Item] = []
         self.errors: list[str] = []
 
     def pytest_collection_modifyitems(self, items: list[pytest.Item]) -> None:
         for item in items:
             marker = item.get_closest_marker("graded")
             kwargs = dict(marker.kwargs) if marker else None
-            params = getattr(getattr(item, "callspec", None), "params", {})
+            params = dict(getattr(getattr(item, "callspec", None), "params", {}))
+            world_size = params.pop("world_size", None)
             if kwargs and "target" in kwargs and params:
                 # A parametrized test may name its target after its parameters:
                 # target="collectives.{function}".
                 kwargs["target"] = kwargs["target"].format(**params)
-            self.items.append((item.nodeid, item.name, kwargs))
+            base = getattr(item, "originalname", item.name)
+            name = f"{base}[{'-'.join(map(str, params.values()))}]" if params else base
+            self.items.append(_Item(item.nodeid, name, world_size, kwargs))
 
     def pytest_collectreport(self, report: pytest.CollectReport) -> None:
         if report.failed:
@@ -63,30 +117,31 @@ def collect(config: GradingConfig, parts: list[str]) -> list[GradedTest]:
     """Every graded test of ``parts``, each at every world size it runs at."""
     collector = _Collector()
     files = [str(f) for p in parts for f in config.part(p).files]
-    with contextlib.redirect_stdout(io.StringIO()):
-        pytest.main([*files, "--collect-only", "-q", *GRADED_PYTEST_ARGS], plugins=[collector])
+    plugins = [collector, WorldSizes(config)]
+    with graded_pytest():
+        pytest.main([*files, "--collect-only", "-q", *course.GRADED_PYTEST_ARGS], plugins=plugins)
     if collector.errors:
         raise ConfigError("cannot collect the graded tests: " + "; ".join(collector.errors))
     file_to_part = {f.name: p for p in parts for f in config.part(p).files}
     tests = []
-    for nodeid, item_name, marker in collector.items:
-        part = file_to_part.get(nodeid.split("::")[0])
+    for item in collector.items:
+        part = file_to_part.get(item.nodeid.split("::")[0])
         if part is None:
             continue
-        if marker is None or "target" not in marker:
+        marker = item.marker
+        if marker is None or "target" not in marker or item.world_size is None:
             raise ConfigError(
-                f"graded test {nodeid} lacks @pytest.mark.graded(target=..., kind=...)"
+                f"graded test {item.nodeid} needs @pytest.mark.graded(target=..., kind=...) "
+                "and the world fixture"
             )
         kind = marker.get("kind", "correctness")
         if kind not in KINDS:
-            raise ConfigError(f"graded test {nodeid}: kind must be one of {', '.join(KINDS)}")
-        name = item_name.removeprefix("test_")
-        base_name = name.split("[")[0]
-        settings = config.part(part).settings_for(base_name)
-        for world_size in settings.world_sizes:
-            tests.append(
-                GradedTest(part, name, nodeid, marker["target"], kind, world_size, settings)
-            )
+            raise ConfigError(f"graded test {item.nodeid}: kind must be one of {', '.join(KINDS)}")
+        name = item.name.removeprefix("test_")
+        settings = config.part(part).settings_for(name.split("[")[0])
+        tests.append(
+            GradedTest(part, name, item.nodeid, marker["target"], kind, item.world_size, settings)
+        )
     _check_overrides_exist(config, parts, tests)
     return tests
 

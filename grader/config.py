@@ -3,36 +3,116 @@
 It lives in YAML (``tests/graded/grading.yaml``) so that an instructor changes a
 weight or a timeout without touching Python. Every value is checked here, once,
 so that a typo is reported as one clear line (exit status 2) before any job starts.
+
+The course directory (the one holding ``tests/graded/``, ``assignments/`` and
+``reference/``) is not necessarily where the package is: after ``pip install .``
+the package lives in site-packages. So the configuration is found by
+:func:`find_config` and made current by :func:`activate`, which also exports it
+in ``GRADER_CONFIG`` so that every rank, a process of its own, finds the same one.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-GRADED_DIR = REPO_ROOT / "tests" / "graded"
-DEFAULT_CONFIG = GRADED_DIR / "grading.yaml"
-
-# How every pytest run over the graded tests is configured, in the grader and on the ranks.
-GRADED_PYTEST_ARGS = (
-    f"--rootdir={GRADED_DIR}",
-    "-c",
-    str(GRADED_DIR / "pytest.ini"),
-    "--import-mode=importlib",
-    "-p",
-    "no:cacheprovider",
-)
-
-VISIBILITIES = ("hidden", "after_due_date", "after_published", "visible")
-KINDS = ("correctness", "performance", "communication", "schedule")
+CONFIG_ENV = "GRADER_CONFIG"
+_RELATIVE_CONFIG = Path("tests") / "graded" / "grading.yaml"
+_PACKAGE_CHECKOUT = Path(__file__).resolve().parent.parent
 
 
 class ConfigError(Exception):
     """The configuration cannot be used; the message is one line for the user."""
+
+
+def find_config(explicit: Path | None = None, cwd: Path | None = None) -> Path:
+    """The grading configuration to use, by the documented order (docs/commands.md).
+
+    ``--config FILE``, else ``$GRADER_CONFIG``, else the nearest
+    ``tests/graded/grading.yaml`` from the current directory upward, else the
+    one next to the package (a checkout or an editable install).
+    """
+    if explicit is not None:
+        return explicit.expanduser().resolve()
+    if os.environ.get(CONFIG_ENV):
+        return Path(os.environ[CONFIG_ENV]).expanduser().resolve()
+    here = (cwd or Path.cwd()).resolve()
+    for folder in (here, *here.parents):
+        if (folder / _RELATIVE_CONFIG).is_file():
+            return folder / _RELATIVE_CONFIG
+    if (_PACKAGE_CHECKOUT / _RELATIVE_CONFIG).is_file():
+        return _PACKAGE_CHECKOUT / _RELATIVE_CONFIG
+    raise ConfigError(
+        "cannot find the grading configuration: run grader inside the course directory "
+        f"(the one holding {_RELATIVE_CONFIG}), or name it with --config FILE or {CONFIG_ENV}"
+    )
+
+
+def course_root(config: Path) -> Path:
+    """The course directory of a configuration: where ``assignments/`` and ``reference/`` are.
+
+    The folder above ``tests/graded/``; for a configuration kept elsewhere, the
+    nearest folder above it that holds ``assignments/``, else its own folder.
+    """
+    graded = config.parent
+    if graded.name == "graded" and graded.parent.name == "tests":
+        return graded.parent.parent
+    for folder in graded.parents:
+        if (folder / "assignments").is_dir():
+            return folder
+    return graded
+
+
+def activate(config: Path) -> None:
+    """Make ``config`` the current configuration, here and in every process started later.
+
+    Modules that need the course's paths read them from this module at call
+    time, after the command line has chosen the configuration.
+    """
+    global REPO_ROOT, GRADED_DIR, DEFAULT_CONFIG, GRADED_PYTEST_ARGS
+    DEFAULT_CONFIG = config.resolve()
+    GRADED_DIR = DEFAULT_CONFIG.parent
+    REPO_ROOT = course_root(DEFAULT_CONFIG)
+    GRADED_PYTEST_ARGS = _pytest_args(GRADED_DIR)
+    os.environ[CONFIG_ENV] = str(DEFAULT_CONFIG)
+
+
+def _pytest_args(graded_dir: Path) -> tuple[str, ...]:
+    """How every pytest run over the graded tests is configured, in the grader and on the ranks."""
+    return (
+        f"--rootdir={graded_dir}",
+        "-c",
+        str(graded_dir / "pytest.ini"),
+        "--import-mode=importlib",
+        "-p",
+        "no:cacheprovider",
+        # A failed assert's message is the student's message, as the test wrote it.
+        "--assert=plain",
+    )
+
+
+def _initial_config() -> Path:
+    """The configuration found when this module is imported, without raising: a rank
+    finds it in ``GRADER_CONFIG``; a missing one is reported when it is loaded."""
+    try:
+        return find_config()
+    except (ConfigError, OSError):
+        return _PACKAGE_CHECKOUT / _RELATIVE_CONFIG
+
+
+DEFAULT_CONFIG = _initial_config()
+GRADED_DIR = DEFAULT_CONFIG.parent
+REPO_ROOT = course_root(DEFAULT_CONFIG)
+GRADED_PYTEST_ARGS = _pytest_args(GRADED_DIR)
+
+VISIBILITIES = ("hidden", "after_due_date", "after_published", "visible")
+KINDS = ("correctness", "performance", "communication", "schedule")
+# Gradescope's top-level keys a ``gradescope:`` block may set, each a visibility.
+GRADESCOPE_KEYS = ("visibility", "stdout_visibility")
 
 
 @dataclass(frozen=True)
@@ -42,10 +122,11 @@ class TestSettings:
     world_sizes: tuple[int, ...]
     points: float
     timeout: float
-    op_timeout: float
     visibility: str
     forbid_collectives: bool
     options: dict[str, Any] = field(default_factory=dict)
+    # Every world size must divide this (tests that shard fixed dimensions across ranks).
+    world_sizes_divide: int | None = None
 
 
 @dataclass(frozen=True)
@@ -66,6 +147,8 @@ class PartConfig:
 class GradingConfig:
     parts: dict[str, PartConfig]
     path: Path
+    # Gradescope's top-level keys (GRADESCOPE_KEYS) to write into results.json.
+    gradescope: dict[str, str] = field(default_factory=dict)
 
     def part(self, name: str) -> PartConfig:
         if name not in self.parts:
@@ -78,15 +161,17 @@ _SETTING_KEYS = {
     "world_sizes",
     "points",
     "timeout",
-    "op_timeout",
     "visibility",
     "forbid_collectives",
     "options",
+    "world_sizes_divide",
 }
 _PART_KEYS = _SETTING_KEYS | {"file", "tests"}
 
 
-def load_config(path: Path = DEFAULT_CONFIG) -> GradingConfig:
+def load_config(path: Path | None = None) -> GradingConfig:
+    """Read and check the configuration (default: the current one, see :func:`activate`)."""
+    path = DEFAULT_CONFIG if path is None else path
     try:
         raw = yaml.safe_load(path.read_text())
     except OSError as err:
@@ -96,7 +181,45 @@ def load_config(path: Path = DEFAULT_CONFIG) -> GradingConfig:
     if not isinstance(raw, dict) or not isinstance(raw.get("parts"), dict) or not raw["parts"]:
         raise ConfigError(f"{path}: expected a mapping 'parts' with at least one part")
     parts = {name: _part(str(name), body, path.parent, path) for name, body in raw["parts"].items()}
-    return GradingConfig(parts=parts, path=path)
+    gradescope = _gradescope(raw.get("gradescope"), parts, path)
+    return GradingConfig(parts=parts, path=path, gradescope=gradescope)
+
+
+def _gradescope(body: Any, parts: dict[str, PartConfig], path: Path) -> dict[str, str]:
+    """The ``gradescope:`` block: Gradescope's top-level visibilities, checked.
+
+    The grader's own output lists every test by name, so showing it to students
+    (``stdout_visibility: visible``) would reveal the tests meant to stay hidden.
+    """
+    if body is None:
+        return {}
+    if not isinstance(body, dict):
+        raise ConfigError(f"{path}: 'gradescope' must be a mapping")
+    unknown = set(body) - set(GRADESCOPE_KEYS)
+    if unknown:
+        raise ConfigError(
+            f"{path}: gradescope has unknown keys: {', '.join(sorted(map(str, unknown)))} "
+            f"(known: {', '.join(GRADESCOPE_KEYS)})"
+        )
+    for key, value in body.items():
+        if value not in VISIBILITIES:
+            raise ConfigError(
+                f"{path}: gradescope.{key} must be one of {', '.join(VISIBILITIES)}, got {value!r}"
+            )
+    if body.get("stdout_visibility") == "visible":
+        for part in parts.values():
+            hidden = [
+                name
+                for name in (None, *part.overrides)
+                if (part.settings_for(name) if name else part.defaults).visibility != "visible"
+            ]
+            if hidden:
+                which = f"{part.name}.tests.{hidden[0]}" if hidden[0] else part.name
+                raise ConfigError(
+                    f"{path}: gradescope.stdout_visibility: visible would show students the "
+                    f"names of tests that are not visible ({which})"
+                )
+    return dict(body)
 
 
 def _part(name: str, body: Any, base_dir: Path, path: Path) -> PartConfig:
@@ -148,14 +271,30 @@ def _settings(
         world_sizes=tuple(world_sizes),
         points=_number(get("points", 1), where, "points", minimum=0),
         timeout=_number(get("timeout", 60), where, "timeout", minimum=0.1),
-        op_timeout=_number(get("op_timeout", 10), where, "op_timeout", minimum=0.1),
         visibility=str(get("visibility", "visible")),
         forbid_collectives=bool(get("forbid_collectives", False)),
         options=options,
+        world_sizes_divide=_divisor(get("world_sizes_divide", 0), where),
     )
     if settings.visibility not in VISIBILITIES:
         raise ConfigError(f"{where}: visibility must be one of {', '.join(VISIBILITIES)}")
+    for size in settings.world_sizes:
+        if settings.world_sizes_divide and settings.world_sizes_divide % size:
+            raise ConfigError(
+                f"{where}: world size {size} cannot be used: these tests shard dimensions "
+                f"that must divide by the world size, and {size} does not divide "
+                f"{settings.world_sizes_divide} (world_sizes_divide: {settings.world_sizes_divide})"
+            )
     return settings
+
+
+def _divisor(value: Any, where: str) -> int | None:
+    """``world_sizes_divide``: a positive integer, or absent (0 or None: no constraint)."""
+    if value is None or value == 0:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"{where}: world_sizes_divide must be a positive integer, got {value!r}")
+    return value
 
 
 def _number(value: Any, where: str, key: str, minimum: float) -> float:

@@ -1,30 +1,40 @@
-"""How the supervising grader and the ranks of a job talk: files in one job directory.
+"""Every message between the trusted grader and a rank, declared in one place.
 
-The supervisor writes ``plan.json`` (what to run); each rank appends one JSON
-record per line to its own ``rank<r>.jsonl`` (what happened). Files, not
-sockets, because a rank may die at any moment: every line that was flushed
-before the death is still there for the supervisor to read, and the
-supervisor never depends on a rank's cooperation to learn that it is gone.
+Frames (:mod:`grader.wire`) carry a ``type``; each side handles a type with a
+method of its own (``broker_<type>`` on a rank, ``rank_<type>`` in the
+broker). What a rank says is untrusted: the broker reads it through the
+typed records below, which validate every field and clean every text (length
+capped, control characters removed) before it can reach a verdict, the
+terminal or results.json.
 
-Records, in the order a rank writes them:
+Rank to broker::
 
-    {"event": "ready", "rank": r, "pid": p}
-    {"event": "start", "test": id, "time": t}
-    {"event": "importing", "test": id, "module": m}   (around the submission's import)
-    {"event": "imported", "test": id, "module": m}
-    {"event": "end", "test": id, "time": t, "outcome": o, "message": s, "extra": {...}}
-    {"event": "finished"}
+    hello      {rank}                                  once, after connecting
+    importing  {module} / imported {module}            around the submission's import
+    send       {op, peer, group, tag, dtype, numel, at} + payload
+    recv       {op, peer, group, tag, dtype, numel, at}
+    collective {op, name, group, inputs, outputs, root?, reduce_op?, at} + payloads
+    wait       {op}                                    the rank blocks until op completes
+    result     {call, value, rebound}                  + tensors: the call returned
+    failure    {call, error}                           the call raised
+    stack      {frames}                                answer to dump_stack
+    mark       {label}                                 a scenario's point in the trace
+
+Broker to rank::
+
+    call       {call, function | scenario, args}       + tensors
+    done       {op}                                    + payloads (a receive's, a collective's)
+    refused    {op, message}
+    dump_stack {}
 """
 
 from __future__ import annotations
 
-import json
-import os
-from dataclasses import asdict, dataclass, field
-from pathlib import Path
+import re
+from dataclasses import dataclass
 from typing import Any
 
-# Outcomes of one test on one rank, and of the whole test once judged.
+# Outcomes of a graded test.
 PASSED = "passed"
 FAILED = "failed"
 ERROR = "error"
@@ -34,104 +44,105 @@ FORBIDDEN = "forbidden"
 NOT_RUN = "not_run"
 OUTCOMES = (PASSED, FAILED, ERROR, TIMEOUT, CRASHED, FORBIDDEN, NOT_RUN)
 
+# Frame types, rank to broker.
+HELLO = "hello"
+IMPORTING = "importing"
+IMPORTED = "imported"
+SEND = "send"
+RECV = "recv"
+COLLECTIVE = "collective"
+WAIT = "wait"
+RESULT = "result"
+FAILURE = "failure"
+STACK = "stack"
+MARK = "mark"
+# Frame types, broker to rank.
+CALL = "call"
+DONE = "done"
+REFUSED = "refused"
+DUMP_STACK = "dump_stack"
+
+MAX_TEXT = 2000
+# Whole escape sequences first (ESC [ ... letter), then any other control character.
+_CONTROL = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]|[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+
+
+def clean(text: Any, limit: int = MAX_TEXT) -> str:
+    """Untrusted text made safe to show: a string, no control characters, at most ``limit``."""
+    text = _CONTROL.sub("", str(text))
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+class ProtocolError(Exception):
+    """A rank sent something the protocol does not allow; the rank is treated as broken."""
+
+
+def field_int(header: dict[str, Any], name: str, low: int = -(1 << 31), high: int = 1 << 62) -> int:
+    value = header.get(name)
+    if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
+        raise ProtocolError(f"{name} must be an integer in [{low}, {high}]")
+    return value
+
+
+def field_ranks(header: dict[str, Any], world_size: int) -> tuple[int, ...]:
+    group = header.get("group")
+    if (
+        not isinstance(group, list)
+        or not group
+        or len(group) > world_size
+        or len(set(group)) != len(group)
+        or not all(isinstance(r, int) and 0 <= r < world_size for r in group)
+    ):
+        raise ProtocolError("group must list distinct ranks of the world")
+    return tuple(group)
+
 
 @dataclass(frozen=True)
-class PlannedTest:
-    """One graded test at one world size, as a rank needs to know it."""
-
-    id: str
-    nodeid: str
-    part: str
-    op_timeout: float
-    forbid_collectives: bool
-    options: dict[str, Any] = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class Plan:
-    tests: list[PlannedTest]
-    import_dir: str
-    backend: str
-    attempt: int
-
-    def write(self, job_dir: Path) -> None:
-        (job_dir / "plan.json").write_text(json.dumps(asdict(self), indent=1))
+class TensorMeta:
+    dtype: str
+    numel: int
 
     @classmethod
-    def read(cls, job_dir: Path) -> Plan:
-        raw = json.loads((job_dir / "plan.json").read_text())
-        raw["tests"] = [PlannedTest(**t) for t in raw["tests"]]
-        return cls(**raw)
+    def read(cls, raw: Any) -> TensorMeta:
+        if not isinstance(raw, dict) or not isinstance(raw.get("dtype"), str):
+            raise ProtocolError("tensor description malformed")
+        return cls(clean(raw["dtype"], 20), field_int(raw, "numel", 0))
+
+    def nbytes(self, itemsize: int) -> int:
+        return self.numel * itemsize
+
+    def __str__(self) -> str:
+        return f"{self.dtype}[{self.numel}]"
 
 
-def report_path(job_dir: Path, rank: int) -> Path:
-    return job_dir / f"rank{rank}.jsonl"
+@dataclass(frozen=True)
+class RankError:
+    """How a call raised on a rank: exception type, message, the student's frames."""
 
+    type: str
+    message: str
+    frames: tuple[str, ...] = ()
+    raiser: str = ""  # the innermost student function it came from, e.g. "all_reduce"
 
-def stacks_path(job_dir: Path, rank: int) -> Path:
-    return job_dir / f"rank{rank}.stacks"
+    @classmethod
+    def read(cls, raw: Any) -> RankError:
+        if not isinstance(raw, dict):
+            raise ProtocolError("failure without an error")
+        frames = raw.get("frames") if isinstance(raw.get("frames"), list) else []
+        return cls(
+            clean(raw.get("type", "Exception"), 80),
+            clean(raw.get("message", ""), MAX_TEXT),
+            tuple(clean(f, 300) for f in frames[:20]),
+            clean(raw.get("raiser", ""), 80),
+        )
 
+    def where(self) -> str:
+        return f" (at {self.frames[-1]})" if self.frames else ""
 
-def waiting_path(job_dir: Path, rank: int) -> Path:
-    """Where a rank keeps, while it blocks in a communication call, what it waits for."""
-    return job_dir / f"rank{rank}.waiting"
-
-
-def log_path(job_dir: Path, rank: int) -> Path:
-    return job_dir / f"rank{rank}.log"
-
-
-def skip_path(job_dir: Path) -> Path:
-    """The tests the supervisor no longer wants run (their verdict is already known)."""
-    return job_dir / "skip.json"
-
-
-def read_skips(job_dir: Path) -> set[str]:
-    try:
-        return set(json.loads(skip_path(job_dir).read_text()))
-    except (OSError, ValueError):
-        return set()
-
-
-def write_skips(job_dir: Path, ids: set[str]) -> None:
-    temporary = skip_path(job_dir).with_suffix(".tmp")
-    temporary.write_text(json.dumps(sorted(ids)))
-    os.replace(temporary, skip_path(job_dir))
-
-
-class ReportWriter:
-    """Appends records to a rank's report; each record is on disk once ``write`` returns."""
-
-    def __init__(self, path: Path) -> None:
-        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
-
-    def write(self, event: str, **fields: Any) -> None:
-        line = json.dumps({"event": event, **fields}, default=str) + "\n"
-        os.write(self._fd, line.encode())
-
-
-class ReportReader:
-    """Reads the complete lines a rank has appended since the last call."""
-
-    def __init__(self, path: Path) -> None:
-        self._path = path
-        self._offset = 0
-        self._partial = b""
-
-    def new_records(self) -> list[dict[str, Any]]:
-        try:
-            with open(self._path, "rb") as f:
-                f.seek(self._offset)
-                data = f.read()
-        except FileNotFoundError:
-            return []
-        self._offset += len(data)
-        lines = (self._partial + data).split(b"\n")
-        self._partial = lines.pop()
-        records = []
-        for line in lines:
-            try:
-                records.append(json.loads(line))
-            except ValueError:
-                continue  # a line torn by a dying process carries no verdict
-        return records
+    def to_wire(self) -> dict[str, Any]:
+        return {
+            "type": self.type,
+            "message": self.message,
+            "frames": list(self.frames),
+            "raiser": self.raiser,
+        }

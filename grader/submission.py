@@ -4,34 +4,95 @@ The ranks import a private copy (``<job>/import/assignments``), so that a
 student editing files while the grader runs cannot change what is graded, and
 so that the package is always a regular package whatever the submission's
 directory is called.
+
+Students upload in three shapes (docs/submission.md): the module files at the
+top level, inside ``assignments/``, or a whole repository one folder down
+(GitHub's zip: ``repo-main/assignments/collectives.py``). :func:`find_modules`
+finds the folder that holds them, for ``grader run`` and Gradescope alike.
 """
 
 from __future__ import annotations
 
-import shutil
+import os
+import stat
+from collections.abc import Collection
 from pathlib import Path
 
-from grader.config import REPO_ROOT
+from grader import config
 
 REFERENCE_KEYWORD = "reference"
+# The module files when the configuration is not at hand: the course's parts.
+DEFAULT_MODULES = (
+    "collectives.py",
+    "data_parallel.py",
+    "tensor_parallel.py",
+    "pipeline_parallel.py",
+)
+# Folders an archive or an operating system adds, never a student's repository.
+_NOT_A_REPOSITORY = {"__MACOSX", "__pycache__"}
 
 
 class SubmissionError(Exception):
     """The submission cannot be graded at all; the message is one line for the user."""
 
 
-def resolve(argument: str | None) -> Path:
-    """The directory named by ``--submission`` (default: the repository's ``assignments/``)."""
+def resolve(argument: str | None, modules: Collection[str] = DEFAULT_MODULES) -> Path:
+    """The folder of module files that ``--submission`` names (default: ``assignments/``)."""
     if argument is None:
-        return REPO_ROOT / "assignments"
+        return config.REPO_ROOT / "assignments"
     if argument == REFERENCE_KEYWORD and not Path(argument).is_dir():
-        return REPO_ROOT / "reference"
+        if not (config.REPO_ROOT / "reference").is_dir():
+            raise SubmissionError(
+                "there is no reference in a student release "
+                f"({config.REPO_ROOT} has no reference/): --submission names your own folder"
+            )
+        return config.REPO_ROOT / "reference"
     path = Path(argument).expanduser()
     if not path.exists():
         raise SubmissionError(f"no such directory: {argument}")
     if not path.is_dir():
         raise SubmissionError(f"--submission must be a directory, got a file: {argument}")
-    return path.resolve()
+    return find_modules(path.resolve(), modules)
+
+
+def find_modules(directory: Path, modules: Collection[str] = DEFAULT_MODULES) -> Path:
+    """The folder holding the submission's module files (any of ``modules``).
+
+    Looks at ``directory`` itself, then its ``assignments/``, then the same two
+    places one folder down, the first that holds a module file winning. Two
+    folders one level down that both hold them are ambiguous: grading either
+    could grade the wrong work.
+    """
+
+    def holds(folder: Path) -> bool:
+        return any((folder / name).is_file() for name in modules)
+
+    for candidate in (directory, directory / "assignments"):
+        if holds(candidate):
+            return candidate
+    below = sorted(
+        child
+        for child in directory.iterdir()
+        if child.is_dir() and not child.name.startswith(".") and child.name not in _NOT_A_REPOSITORY
+    )
+    found = [
+        next(c for c in (child, child / "assignments") if holds(c))
+        for child in below
+        if holds(child) or holds(child / "assignments")
+    ]
+    if len(found) == 1:
+        return found[0]
+    names = ", ".join(sorted(modules))
+    if found:
+        where = " and ".join(str(f.relative_to(directory)) for f in found[:2])
+        raise SubmissionError(
+            f"{directory} holds module files in more than one folder ({where}): "
+            "upload one copy of your work"
+        )
+    raise SubmissionError(
+        f"no module files in {directory}: expected one of {names} at its top level, "
+        "in assignments/, or one folder down (a repository, e.g. repo-main/assignments/)"
+    )
 
 
 def problem_with(directory: Path, part: str) -> tuple[str, str] | None:
@@ -52,18 +113,57 @@ def problem_with(directory: Path, part: str) -> tuple[str, str] | None:
     return None
 
 
-def stage(directory: Path, import_dir: Path) -> None:
-    """Copy the submission to ``import_dir/assignments`` as a regular package.
+MAX_FILE_BYTES = 1 << 20
+MAX_TOTAL_BYTES = 16 << 20
+MAX_FILES = 500
+_SKIPPED = {"__pycache__", ".git", "results.json"}
 
-    The package's ``__init__.py`` is always empty: parts are graded one by one,
-    and an ``__init__`` that imports every module would let one broken file
-    cost the others.
+
+def stage(directory: Path, import_dir: Path) -> list[str]:
+    """Copy the submission's regular files to ``import_dir/assignments``, as a regular package.
+
+    Only regular files are copied, each opened without following links and
+    within size limits: a symlink (to the reference, say), a FIFO or a device
+    in the submission is left out, never opened. The copy is what the ranks
+    import, read-only, so that editing files while the grader runs changes
+    nothing. The package's ``__init__.py`` is always empty: parts are graded
+    one by one, and an ``__init__`` that imports every module would let one
+    broken file cost the others. Returns what was left out, one line each.
     """
     target = import_dir / "assignments"
-    shutil.copytree(
-        directory,
-        target,
-        ignore=shutil.ignore_patterns("__pycache__", "*.pyc", ".git", "results.json"),
-        symlinks=False,
-    )
+    target.mkdir(parents=True)
+    left_out: list[str] = []
+    total = count = 0
+    for root, dirs, files in os.walk(directory, followlinks=False):
+        here = Path(root)
+        dirs[:] = [d for d in sorted(dirs) if d not in _SKIPPED and not (here / d).is_symlink()]
+        for name in sorted(files):
+            source = here / name
+            relative = source.relative_to(directory)
+            if name in _SKIPPED or name.endswith(".pyc"):
+                continue
+            try:
+                descriptor = os.open(source, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+            except OSError:
+                left_out.append(f"{relative}: not a regular file")
+                continue
+            with os.fdopen(descriptor, "rb") as f:
+                info = os.fstat(f.fileno())
+                if not stat.S_ISREG(info.st_mode):
+                    left_out.append(f"{relative}: not a regular file")
+                    continue
+                if info.st_size > MAX_FILE_BYTES or total + info.st_size > MAX_TOTAL_BYTES:
+                    left_out.append(f"{relative}: too large ({info.st_size} bytes)")
+                    continue
+                if count >= MAX_FILES:
+                    left_out.append(f"{relative}: too many files")
+                    continue
+                content = f.read(MAX_FILE_BYTES + 1)
+            total, count = total + len(content), count + 1
+            destination = target / relative
+            destination.parent.mkdir(parents=True, exist_ok=True)
+            destination.write_bytes(content)
     (target / "__init__.py").write_text("")
+    for path in [import_dir, *import_dir.rglob("*")]:
+        path.chmod(0o755 if path.is_dir() else 0o644)
+    return left_out

@@ -1,7 +1,12 @@
 #!/usr/bin/env bash
-# Gradescope runs this once, when the autograder image is built, with this
-# repository unpacked in /autograder/source.
+# Gradescope runs this once, when it builds the autograder image, with the zip
+# that `grader gradescope OUT.zip` wrote unpacked in $AUTOGRADER_ROOT/source.
+# AUTOGRADER_ROOT (default /autograder) lets the project's tests lay it out elsewhere.
 set -eu
-cd /autograder/source
-pip3 install --index-url https://download.pytorch.org/whl/cpu torch==2.13.0
-pip3 install -e .
+root="${AUTOGRADER_ROOT:-/autograder}"
+cd "$root/source"
+# The CPU build of torch first: a plain `pip install .` would pull a multi-GB CUDA build.
+python3 -m pip install --index-url https://download.pytorch.org/whl/cpu torch==2.13.0
+# Then the grader itself, not editable: the package is copied into site-packages and
+# finds this folder's tests/graded/ through run_autograder's --config.
+python3 -m pip install .

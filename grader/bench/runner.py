@@ -11,6 +11,7 @@ reference's message patterns on real machines.
 from __future__ import annotations
 
 import json
+import math
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -22,7 +23,7 @@ from rich.markup import escape
 from rich.progress import Progress
 from rich.table import Table
 
-from grader import protocol
+from grader.bench import records
 from grader.judge.communication import BUS_FACTOR
 from grader.launch.job import TorchrunJob
 from grader.report.terminal import progress_bar
@@ -73,7 +74,7 @@ def run_bench(
 
 def _run_job(job_dir: Path, world_size: int, progress: Progress, task: Any) -> BenchResult:
     result = BenchResult(world_size)
-    reader = protocol.ReportReader(protocol.report_path(job_dir, 0))
+    reader = records.ReportReader(records.report_path(job_dir, 0))
     last_progress = time.monotonic()
     with TorchrunJob(job_dir, world_size, module="grader.bench.worker") as job:
         while True:
@@ -134,31 +135,69 @@ def print_tables(console: Console, results: list[BenchResult]) -> None:
                             f"{busbw(record, result.world_size):.3f}",
                         ]
                 table.add_row(size(nbytes), *cells)
-            largest = rows[max(rows)] if rows else {}
-            projected = [
-                f"{machine}: yours {duration(largest['student']['projected'][machine])}, "
-                f"reference {duration(largest['reference']['projected'][machine])}"
-                for machine in (largest.get("reference", {}).get("projected") or {})
-                if "projected" in largest.get("student", {})
-            ]
-            if projected:
-                table.caption = f"projected at {size(max(rows))}: " + "; ".join(projected)
+            caption = projection_caption(rows)
+            if caption:
+                table.caption = caption
             console.print(table)
 
 
+def projection_caption(rows: dict[int, dict[str, dict[str, Any]]]) -> str:
+    """The student's and the reference's message patterns projected on each machine, at the
+    largest size; when they project equal, why the measured times may still differ."""
+    if not rows:
+        return ""
+    largest = rows[max(rows)]
+    student, reference = largest.get("student", {}), largest.get("reference", {})
+    if "projected" not in student or not reference.get("projected"):
+        return ""
+    pairs = {
+        machine: (student["projected"][machine], seconds)
+        for machine, seconds in reference["projected"].items()
+        if machine in student["projected"]
+    }
+    text = f"projected at {size(max(rows))}: " + "; ".join(
+        f"{machine}: yours {duration(mine)}, reference {duration(theirs)}"
+        for machine, (mine, theirs) in pairs.items()
+    )
+    if any(math.isclose(mine, theirs, rel_tol=1e-6) for mine, theirs in pairs.values()):
+        text += (
+            ". Equal projections: they model the message pattern only (sizes, order, "
+            "dependencies), not local copies and arithmetic, which the measured times include"
+        )
+    return text
+
+
+def binary_size(nbytes: float) -> str:
+    """4096 -> "4K", 2**26 -> "64M": the sizes swept are powers of two, so are the labels."""
+    for unit, scale in (("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:g}{unit}"
+    return f"{nbytes:g}"
+
+
+PLOT_WIDTH_PX = 1200  # legible on a laptop screen and in a slide, whatever the panel count
+PLOT_DPI = 100
+
+
 def plot(results: list[BenchResult], path: Path) -> Path:
-    """Bus bandwidth against message size: one panel per collective, one line per implementation."""
+    """Bus bandwidth against message size: one panel per collective, one line per implementation
+    and world size, the legend to the right of the panels (never over a line)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import FuncFormatter
 
     functions = list(dict.fromkeys(r["function"] for res in results for r in res.records))
-    columns = min(4, max(1, len(functions)))
+    columns = min(3, max(1, len(functions)))
     rows = -(-len(functions) // columns)
-    figure, axes = plt.subplots(rows, columns, figsize=(4 * columns, 3.2 * rows), squeeze=False)
+    width = max(PLOT_WIDTH_PX / PLOT_DPI, 4.2 * columns + 2.5)  # inches: panels + legend
+    figure, axes = plt.subplots(
+        rows, columns, figsize=(width, 4.2 * rows), squeeze=False, dpi=PLOT_DPI
+    )
     colors = {"student": "tab:blue", "reference": "tab:orange", "torch": "tab:green"}
     lines = ("-", "--", ":", "-.")  # one line style per world size
+    legend: dict[str, Any] = {}
     for axis, function in zip(axes.flat, functions, strict=False):
         for index, result in enumerate(results):
             for impl in IMPLEMENTATIONS:
@@ -169,26 +208,43 @@ def plot(results: list[BenchResult], path: Path) -> Path:
                 )
                 if points:
                     xs, ys = zip(*points, strict=True)
-                    axis.plot(
+                    label = f"{impl}, {result.world_size} ranks"
+                    (line,) = axis.plot(
                         xs,
                         ys,
                         linestyle=lines[index % len(lines)],
                         marker="o",
-                        markersize=3,
+                        markersize=4,
+                        linewidth=1.8,
                         color=colors[impl],
-                        label=f"{impl}, {result.world_size} ranks",
+                        label=label,
                     )
+                    legend.setdefault(label, line)
         axis.set_xscale("log", base=2)
-        axis.set_title(function)
-        axis.set_xlabel("message size (bytes)")
-        axis.set_ylabel("bus bandwidth (GB/s)")
+        measured = sorted({x for line in axis.get_lines() for x in line.get_xdata()})
+        step = max(1, -(-len(measured) // 8))  # at most 8 labels: they never overlap
+        axis.set_xticks(measured[::step])
+        axis.xaxis.set_major_formatter(FuncFormatter(lambda x, _: binary_size(x)))
+        axis.xaxis.set_minor_formatter(FuncFormatter(lambda x, _: ""))
+        axis.set_title(function, fontsize=13)
+        axis.set_xlabel("message size (bytes)", fontsize=11)
+        axis.set_ylabel("bus bandwidth (GB/s)", fontsize=11)
+        axis.tick_params(labelsize=9)
         axis.grid(alpha=0.3)
     for axis in list(axes.flat)[len(functions) :]:
         axis.set_visible(False)
-    handles, labels = axes.flat[0].get_legend_handles_labels()
-    figure.legend(handles, labels, loc="lower center", ncol=min(6, len(labels)), fontsize=8)
-    figure.tight_layout(rect=(0, 0.08, 1, 1))
+    legend_share = 2.3 / width  # of the figure's width, on the right
+    figure.legend(
+        list(legend.values()),
+        list(legend),
+        loc="center left",
+        bbox_to_anchor=(1 - legend_share + 0.01, 0.5),
+        fontsize=10,
+        frameon=False,
+    )
+    figure.suptitle("bus bandwidth (nccl-tests' busbw) by message size", fontsize=14)
+    figure.tight_layout(rect=(0, 0, 1 - legend_share, 0.95))
     path.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(path, dpi=100)
+    figure.savefig(path, dpi=PLOT_DPI)
     plt.close(figure)
     return path

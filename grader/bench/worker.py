@@ -9,6 +9,7 @@ dropped for the rest of that collective, and the sweep goes on.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import importlib
 import json
@@ -21,11 +22,25 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from grader.bench import p2p, records
+from grader.bench.accounting import recording
+from grader.bench.calls import TORCH_COLLECTIVES, collective_call
+from grader.bench.timing import time_call
+from grader.config import REPO_ROOT
 from grader.judge.projection import machines, project
-from grader.rank.accounting import recording
-from grader.rank.worker import enter_rank
-from grader.testkit.calls import TORCH_COLLECTIVES, collective_call
-from grader.testkit.timing import time_call
+from grader.rank import frames
+
+
+def enter_rank(job_dir: Path, rank: int, import_dir: Path) -> records.ReportWriter:
+    """The rank's output to its log file, the staged submission and the reference on the
+    import path, the p2p log installed before any student code is imported."""
+    log = os.open(records.log_path(job_dir, rank), os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+    sys.path[:0] = [str(import_dir), str(REPO_ROOT)]
+    frames.configure(import_dir)
+    p2p.install(job_dir / f"rank{rank}.waiting")
+    return records.ReportWriter(records.report_path(job_dir, rank))
 
 
 def main(job_dir: Path) -> int:
@@ -35,9 +50,10 @@ def main(job_dir: Path) -> int:
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=plan["op_timeout"]))
     report.write("ready", rank=rank, pid=os.getpid())
 
-    implementations: dict[str, Any] = {
-        "reference": importlib.import_module("reference.collectives")
-    }
+    implementations: dict[str, Any] = {}
+    # A student release has no reference: the sweep then compares yours with torch's.
+    with contextlib.suppress(ImportError):
+        implementations["reference"] = importlib.import_module("reference.collectives")
     try:
         implementations["student"] = importlib.import_module("assignments.collectives")
     except BaseException as err:

@@ -18,9 +18,11 @@ import sys
 from pathlib import Path
 from types import TracebackType
 
+from grader.launch.sandboxed import die_with_parent
+
 
 class TorchrunJob:
-    def __init__(self, job_dir: Path, world_size: int, module: str = "grader.rank.worker") -> None:
+    def __init__(self, job_dir: Path, world_size: int, module: str) -> None:
         self.job_dir = job_dir
         self.world_size = world_size
         self.module = module
@@ -51,6 +53,7 @@ class TorchrunJob:
                 stderr=subprocess.STDOUT,
                 env=env,
                 start_new_session=True,
+                preexec_fn=die_with_parent,  # the grader killed: torchrun and its ranks go too
             )
 
     def running(self) -> bool:

@@ -56,3 +56,14 @@ def student_frames(tb: TracebackType | None) -> list[str]:
             where = f"{display_path(summary.filename)}:{summary.lineno} in {summary.name}"
             lines.append(f"{where}: {summary.line.strip()}" if summary.line else where)
     return lines
+
+
+def innermost_student_function(tb: TracebackType | None) -> str:
+    """The qualified name (with its class) of the innermost student function in a traceback."""
+    name = ""
+    while tb is not None:
+        code = tb.tb_frame.f_code
+        if is_student_file(code.co_filename):
+            name = getattr(code, "co_qualname", code.co_name)
+        tb = tb.tb_next
+    return name

@@ -1,72 +1,174 @@
-"""The program torchrun starts on every rank: ``python -m grader.rank.worker JOB_DIR``.
+"""What runs on a rank, inside the sandbox: ``python -m grader.rank.worker SOCKET IMPORT_DIR``.
 
-It reads the plan, puts the submission on the import path, installs the
-guards (before any student code is imported, so that nothing escapes them),
-and runs the planned graded tests with pytest and the :class:`RankHarness`.
-Its stdout and stderr go to the rank's log file: a student's prints must not
-garble the grader's terminal.
+It connects to the trusted broker, makes ``broker`` the process-group
+backend, and then runs the calls the grader sends, one after the other: a
+function of the submission (``collectives.all_reduce``) or a scenario of the
+grader's (``data_parallel.train``, in :mod:`grader.scenarios`, which drives
+the student's classes), on arguments the grader made. It sends back what
+the call returned and the caller's own argument objects after the call. It
+decides nothing: it holds no expected value, no seed and no clock that
+counts, and whatever it says is checked by the trusted side.
 """
 
 from __future__ import annotations
 
-import faulthandler
+import importlib
 import os
-import signal
 import sys
+import threading
+import traceback
 from pathlib import Path
+from types import ModuleType
+from typing import Any
 
-import pytest
 import torch
 import torch.distributed as dist
 
-from grader import protocol
-from grader.config import GRADED_DIR, GRADED_PYTEST_ARGS, REPO_ROOT
-from grader.rank import forbid, frames, p2p
-from grader.rank.harness import RankHarness
+from grader import protocol, wire
+from grader.rank import backend, frames
+from grader.rank.link import BrokerLink
+from grader.wire import Frame
 
 
-def enter_rank(job_dir: Path, rank: int, import_dir: Path) -> protocol.ReportWriter:
-    """What every rank of every job does first: its output to its log file, the staged
-    submission and the reference on the import path, the p2p watch installed before any
-    student code is imported. Returns the rank's report."""
-    log = os.open(protocol.log_path(job_dir, rank), os.O_WRONLY | os.O_CREAT | os.O_APPEND)
-    os.dup2(log, 1)
-    os.dup2(log, 2)
-    sys.path[:0] = [str(import_dir), str(REPO_ROOT)]
-    frames.configure(import_dir)
-    p2p.install(protocol.waiting_path(job_dir, rank))
-    return protocol.ReportWriter(protocol.report_path(job_dir, rank))
-
-
-def main(job_dir: Path) -> int:
+def main(socket_path: str, import_dir: Path) -> int:
     rank = int(os.environ["RANK"])
     world_size = int(os.environ["WORLD_SIZE"])
-    plan = protocol.Plan.read(job_dir)
-    report = enter_rank(job_dir, rank, Path(plan.import_dir))
-    stacks = open(protocol.stacks_path(job_dir, rank), "w")  # noqa: SIM115 - lives as long as the rank
-    faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
-    forbid.install()
-
-    device = torch.device("cpu")
-    if plan.backend == "nccl":
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
-        torch.cuda.set_device(device)
-    store, _, _ = next(dist.rendezvous("env://"))
-    report.write("ready", rank=rank, pid=os.getpid())
-
-    harness = RankHarness(
-        plan.tests, store, rank, world_size, plan.backend, device, report, plan.attempt, job_dir
-    )
-    nodeids = list(dict.fromkeys(str(GRADED_DIR / t.nodeid) for t in plan.tests))
-    pytest.main([*nodeids, *GRADED_PYTEST_ARGS, "-p", "no:timeout", "-q"], plugins=[harness])
-    report.write("finished")
+    sys.path[:0] = [str(import_dir)]
+    frames.configure(import_dir)
+    link = BrokerLink(socket_path, rank)
+    main_thread = threading.main_thread().ident
+    link.stack_reader = lambda: _student_stack(main_thread)
+    backend.register(link)
+    _form_group(rank, world_size)
+    device = _device(rank)
+    link.post(protocol.HELLO, rank=rank)
+    while (frame := link.calls.get()) is not None:
+        size = frame.header.get("world_size", world_size)
+        if size != dist.get_world_size():
+            _form_group(rank, size)
+        _run_call(link, frame, device)
     return 0
 
 
+def _form_group(rank: int, world_size: int) -> None:
+    """The default process group of ranks 0..world_size-1: one job serves every world size."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    os.environ["WORLD_SIZE"] = str(world_size)
+    dist.init_process_group(
+        backend.BACKEND_NAME, store=dist.HashStore(), rank=rank, world_size=world_size
+    )
+
+
+def _device(rank: int) -> torch.device:
+    """The rank's GPU when the grader asked for one per rank, else the CPU."""
+    if os.environ.get("GRADER_DEVICE") == "cuda" and torch.cuda.is_available():
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
+        torch.cuda.set_device(device)
+        return device
+    return torch.device("cpu")
+
+
+def _run_call(link: BrokerLink, frame: Frame, device: torch.device) -> None:
+    call = frame.header.get("call")
+    try:
+        target = _resolve(link, frame.header)
+        args = _to_device(wire.decode(frame.header["args"], frame.buffers), device)
+        kept = _keep(args)
+        returned = target(*args)
+        node, buffers = wire.pack({"returned": returned, "args": kept})
+        rebound = _rebound(args, kept)
+    except BaseException as err:  # everything, SystemExit and KeyboardInterrupt too
+        error = protocol.RankError(
+            type(err).__name__,
+            protocol.clean(_message(err)),
+            tuple(frames.student_frames(err.__traceback__)),
+            frames.innermost_student_function(err.__traceback__),
+        )
+        link.post(protocol.FAILURE, call=call, error=error.to_wire())
+        return
+    link.post(protocol.RESULT, buffers, call=call, value=node, rebound=rebound)
+
+
+def _resolve(link: BrokerLink, header: dict[str, Any]) -> Any:
+    """The student's function, or the grader's scenario bound to the student's module."""
+    if "scenario" in header:
+        part, name = header["scenario"].split(".")
+        student = _import_student(link, part)
+        scenario = getattr(importlib.import_module(f"grader.scenarios.{part}"), name)
+        return lambda *args: scenario(student, *args)
+    part, name = header["function"].split(".")
+    return getattr(_import_student(link, part), name)
+
+
+def _import_student(link: BrokerLink, part: str) -> ModuleType:
+    module = f"assignments.{part}"
+    if module in sys.modules and sys.modules[module] is not None:
+        return sys.modules[module]
+    link.post(protocol.IMPORTING, module=module)
+    loaded = importlib.import_module(module)
+    link.post(protocol.IMPORTED, module=module)
+    return loaded
+
+
+def _to_device(value: Any, device: torch.device) -> Any:
+    if device.type == "cpu":
+        return value
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    if isinstance(value, list | tuple):
+        return type(value)(_to_device(v, device) for v in value)
+    if isinstance(value, dict):
+        return {k: _to_device(v, device) for k, v in value.items()}
+    return value
+
+
+def _keep(value: Any) -> Any:
+    """A copy of the argument structure that holds the very tensor objects passed in:
+    what the caller owns, whatever the callee rebinds in its lists."""
+    if isinstance(value, list | tuple):
+        return type(value)(_keep(v) for v in value)
+    if isinstance(value, dict):
+        return {k: _keep(v) for k, v in value.items()}
+    return value
+
+
+def _rebound(args: Any, kept: Any, path: str = "args") -> list[str]:
+    """Where the callee replaced a tensor of the caller's lists instead of filling it in."""
+    found = []
+    if isinstance(args, list | tuple) and isinstance(kept, list | tuple):
+        if len(args) != len(kept):
+            found.append(f"{path} (its length changed)")
+        for i, (now, before) in enumerate(zip(args, kept, strict=False)):
+            if isinstance(before, torch.Tensor):
+                found += [f"{path}[{i}]"] if now is not before else []
+            else:
+                found += _rebound(now, before, f"{path}[{i}]")
+    return found
+
+
+def _message(err: BaseException) -> str:
+    text = str(err)
+    if isinstance(err, SyntaxError):
+        return f"{err.msg} ({frames.display_path(err.filename or '?')}, line {err.lineno})"
+    if isinstance(err, SystemExit):
+        return f"sys.exit({err.code!r}) was called"
+    return text
+
+
+def _student_stack(thread_id: int | None) -> list[str]:
+    frame = sys._current_frames().get(thread_id or 0)
+    if frame is None:
+        return []
+    return [
+        f"{frames.display_path(s.filename)}:{s.lineno} in {s.name}"
+        for s in traceback.extract_stack(frame)
+        if frames.is_student_file(s.filename)
+    ]
+
+
 if __name__ == "__main__":
-    code = main(Path(sys.argv[1]))
+    code = main(sys.argv[1], Path(sys.argv[2]))
     sys.stdout.flush()
     sys.stderr.flush()
-    # Skip interpreter teardown: a process group broken by a student can abort it,
-    # and every result is already on disk.
-    os._exit(code)
+    os._exit(code)  # no interpreter teardown: nothing of the student's runs after the last call

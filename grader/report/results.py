@@ -1,6 +1,10 @@
 """Gradescope's results.json, written by the supervising grader alone, after every job has ended.
 
-See CONTRACT section 4 and https://gradescope-autograders.readthedocs.io/en/latest/specs/.
+See docs/results.md and https://gradescope-autograders.readthedocs.io/en/latest/specs/.
+
+Students on Gradescope see the tests marked ``visible``; Gradescope itself hides
+the others by their ``visibility``. The top-level ``output`` is always shown,
+so it speaks only of the visible tests: a count of the hidden ones would tell.
 """
 
 from __future__ import annotations
@@ -15,6 +19,8 @@ from typing import Any
 from grader.catalog import GradedTest
 from grader.judge.verdict import Verdict
 
+RESULTS_MODE = 0o644  # Gradescope's harness and TAs read it, whoever wrote it
+
 
 @dataclass(frozen=True)
 class GradedResult:
@@ -27,19 +33,37 @@ class GradedResult:
         return self.test.settings.points
 
 
-def to_gradescope(results: list[GradedResult], seconds: float, summary: str) -> dict[str, Any]:
+def student_summary(results: list[GradedResult]) -> str:
+    """The top-level ``output``: points and passes of the visible tests only."""
+    shown = [r for r in results if r.test.settings.visibility == "visible"]
+    total = sum(r.score for r in shown)
+    maximum = sum(r.max_score for r in shown)
+    passed = sum(r.verdict.passed for r in shown)
+    return f"{total:g} / {maximum:g} points; {passed} of {len(shown)} tests passed"
+
+
+def to_gradescope(
+    results: list[GradedResult],
+    seconds: float,
+    summary: str,
+    top_level: dict[str, str] | None = None,
+    sandbox: str = "none",
+    review: list[str] | None = None,
+) -> dict[str, Any]:
+    """The document; ``top_level`` adds Gradescope's ``visibility``/``stdout_visibility``."""
     return {
         "score": round(sum(r.score for r in results), 4),
         "execution_time": round(seconds, 1),
         "output": summary,
         "output_format": "text",
+        **(top_level or {}),
         "tests": [_test_entry(number, r) for number, r in enumerate(results, start=1)],
+        "extra_data": {"sandbox": sandbox, "review": list(review or [])},
     }
 
 
 def _test_entry(number: int, result: GradedResult) -> dict[str, Any]:
     test, verdict = result.test, result.verdict
-    extra = {k: v for k, v in verdict.extra.items() if k != "waiting_for"}
     return {
         "number": str(number),
         "name": test.title,
@@ -50,15 +74,39 @@ def _test_entry(number: int, result: GradedResult) -> dict[str, Any]:
         "visibility": test.settings.visibility,
         "tags": [test.part, test.kind],
         "extra_data": {
-            **extra,
+            **verdict.details,
             "part": test.part,
             "target": test.target,
             "world_size": test.world_size,
             "kind": test.kind,
             "outcome": verdict.outcome,
             "seconds": round(verdict.seconds, 3),
+            **({"fraction": round(verdict.fraction, 4)} if verdict.fraction is not None else {}),
         },
     }
+
+
+class ResultsPathError(Exception):
+    """``--results`` names a file that cannot be written; the message is one line."""
+
+
+def check_writable(path: Path) -> None:
+    """Fail before grading, not after minutes of it, when ``path`` cannot be written.
+
+    Tries a real file in its folder: permission bits say nothing of a read-only
+    mount, and root passes every ``os.access`` check.
+    """
+    folder = path.parent
+    if path.is_dir():
+        raise ResultsPathError(f"--results {path} is a directory, not a file")
+    if not folder.is_dir():
+        raise ResultsPathError(f"cannot write --results {path}: no such directory {folder}")
+    try:
+        fd, probe = tempfile.mkstemp(dir=folder, prefix=".results-probe-")
+    except OSError as err:
+        raise ResultsPathError(f"cannot write --results {path}: {err.strerror}") from err
+    os.close(fd)
+    os.unlink(probe)
 
 
 def write_results(path: Path, document: dict[str, Any]) -> None:
@@ -68,4 +116,5 @@ def write_results(path: Path, document: dict[str, Any]) -> None:
     with os.fdopen(fd, "w") as f:
         json.dump(document, f, indent=2)
         f.write("\n")
+    os.chmod(temporary, RESULTS_MODE)  # mkstemp makes it 0600
     os.replace(temporary, path)

@@ -1,4 +1,4 @@
-"""What a person sees: a progress bar while grading, then a table per part and what to fix first."""
+"""What a person sees: a progress bar while grading, then a matrix per part and what to fix."""
 
 from __future__ import annotations
 
@@ -7,24 +7,21 @@ from collections import defaultdict
 from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-from rich.table import Table
-from rich.text import Text
 
-from grader import protocol
 from grader.catalog import GradedTest
 from grader.judge.verdict import Verdict
 from grader.report.results import GradedResult
+from grader.report.summary import (
+    LEGEND,
+    OUTCOME_STYLE,
+    PARTIAL,
+    PARTIAL_STYLE,
+    fix_first,
+    is_partial,
+    part_matrix,
+    per_test_table,
+)
 from grader.report.timeline import terminal_table, timelines_of
-
-OUTCOME_STYLE = {
-    protocol.PASSED: "green",
-    protocol.FAILED: "red",
-    protocol.ERROR: "red",
-    protocol.TIMEOUT: "magenta",
-    protocol.CRASHED: "red bold",
-    protocol.FORBIDDEN: "yellow",
-    protocol.NOT_RUN: "dim",
-}
 
 
 def progress_bar(console: Console, label: str) -> Progress:
@@ -61,69 +58,70 @@ class ProgressDisplay:
     def on_verdict(self, test: GradedTest, verdict: Verdict) -> None:
         self.progress.advance(self.task)
         if not verdict.passed:
-            style = OUTCOME_STYLE.get(verdict.outcome, "red")
+            partial = 0 < verdict.share() < 1
+            word = PARTIAL if partial else verdict.outcome
+            style = PARTIAL_STYLE if partial else OUTCOME_STYLE.get(verdict.outcome, "red")
             self.progress.console.print(
-                f"[{style}]{verdict.outcome:>9}[/] {escape(test.title)}", highlight=False
+                f"[{style}]{word:>9}[/] {escape(test.title)}", highlight=False
             )
 
 
-def print_summary(console: Console, results: list[GradedResult], seconds: float) -> None:
+def print_summary(
+    console: Console,
+    results: list[GradedResult],
+    seconds: float,
+    sandbox: str = "none",
+    review: list[str] | None = None,
+    verbose: bool = False,
+) -> None:
+    """Per part: the matrix (and every test with ``verbose``), then what to fix first."""
     by_part: dict[str, list[GradedResult]] = defaultdict(list)
     for result in results:
         by_part[result.test.part].append(result)
     for part, part_results in by_part.items():
-        console.print(_part_table(part, part_results))
-        failures = [r for r in part_results if not r.verdict.passed]
-        if failures:
-            console.print(f"[bold]What to fix first in {escape(part)}:[/]")
-            for result in _first_per_target(failures):
-                console.print(
-                    f"  [bold]{escape(result.test.name)}[/] (world size {result.test.world_size}): "
-                    f"{escape(result.verdict.message)}",
-                    highlight=False,
-                )
-                drawn = timelines_of(result.verdict.extra)
-                if drawn:
-                    console.print(
-                        terminal_table(*drawn, title="  schedule (F = forward, B = backward)")
-                    )
-            console.print()
+        if verbose:
+            console.print(per_test_table(part, part_results))
+        console.print(part_matrix(part, part_results))
+        console.print(f"[dim]{LEGEND}[/]", highlight=False)
+        _print_fixes(console, part, part_results, verbose)
+    if review:
+        console.print("[bold]For a TA to look at[/] (no effect on the score):")
+        for line in review[:20]:
+            console.print(f"  {escape(line)}", highlight=False)
+    console.print(f"[dim]student code isolated by: {escape(sandbox)}[/]")
     total = sum(r.score for r in results)
     maximum = sum(r.max_score for r in results)
     passed = sum(r.verdict.passed for r in results)
+    partial = sum(is_partial(r) for r in results)
+    some = f", {partial} with partial credit" if partial else ""
     console.print(
         f"[bold]Total: {total:g} / {maximum:g} points[/]  "
-        f"({passed} of {len(results)} tests passed, {seconds:.1f} s)"
+        f"({passed} of {len(results)} tests passed{some}, {seconds:.1f} s)"
     )
 
 
-def _part_table(part: str, results: list[GradedResult]) -> Table:
-    table = Table(title=Text(part, style="bold"), title_justify="left", show_lines=False)
-    table.add_column("test")
-    table.add_column("target")
-    table.add_column("world size", justify="right")
-    table.add_column("outcome")
-    table.add_column("points", justify="right")
-    for result in results:
-        style = OUTCOME_STYLE.get(result.verdict.outcome, "")
-        table.add_row(
-            Text(result.test.name),
-            Text(result.test.target),
-            str(result.test.world_size),
-            f"[{style}]{result.verdict.outcome}[/]",
-            f"{result.score:g} / {result.max_score:g}",
+def _print_fixes(console: Console, part: str, results: list[GradedResult], verbose: bool) -> None:
+    fixes = fix_first(results, collapse=not verbose)
+    if not fixes.shown and not fixes.hidden:
+        return
+    console.print(f"[bold]What to fix first in {escape(part)}:[/]")
+    # A message is one long line: a terminal wraps it, a log keeps it whole.
+    wrap = {"soft_wrap": not console.is_terminal, "highlight": False}
+    for result in fixes.shown:
+        test = result.test
+        credit = (
+            f", partial: {result.score:g} of {result.max_score:g} points"
+            if is_partial(result)
+            else ""
         )
-    score = sum(r.score for r in results)
-    maximum = sum(r.max_score for r in results)
-    table.add_section()
-    table.add_row("[bold]total", "", "", "", f"[bold]{score:g} / {maximum:g}")
-    return table
-
-
-def _first_per_target(failures: list[GradedResult]) -> list[GradedResult]:
-    """One failure per test (each parametrization is its own), at its smallest world size:
-    the simplest case to debug."""
-    first: dict[str, GradedResult] = {}
-    for result in sorted(failures, key=lambda r: r.test.world_size):
-        first.setdefault(result.test.name, result)
-    return list(first.values())
+        console.print(
+            f"  [bold]{escape(test.name)}[/] (world size {test.world_size}{credit}): "
+            f"{escape(result.verdict.message)}",
+            **wrap,
+        )
+        drawn = timelines_of(result.verdict)
+        if drawn:
+            console.print(terminal_table(*drawn, title="  schedule (F = forward, B = backward)"))
+    if fixes.hidden:
+        console.print(f"  [dim]{escape(fixes.summary_line())}[/]", **wrap)
+    console.print()

@@ -1,30 +1,31 @@
 """Pipeline schedules drawn as timelines: rows are ranks, columns time steps, cells ``F3``/``B1``.
 
-A schedule test records, on every rank, the order in which it ran its forward
-and backward work (``extra["per_rank"][r]["timeline"]``) and the order the
-schedule prescribes (``extra["expected_timeline"]``). Seeing the two side by
+A schedule test records the order in which every rank ran its forward and
+backward work, and the order the schedule prescribes
+(:class:`grader.judge.verdict.Schedule`). Seeing the two side by
 side is how a student understands what their 1F1B did instead.
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from rich.table import Table
 from rich.text import Text
 
-Timeline = list[list[str]]  # one list of cells per rank
+from grader.judge.verdict import Timeline, Verdict
+
+if TYPE_CHECKING:
+    from grader.report.results import GradedResult
 
 
-def timelines_of(extra: dict[str, Any]) -> tuple[Timeline, Timeline] | None:
+def timelines_of(verdict: Verdict) -> tuple[Timeline, Timeline] | None:
     """The (actual, expected) timelines a test recorded, or None if it recorded none."""
-    expected = extra.get("expected_timeline")
-    per_rank = extra.get("per_rank")
-    if not expected or not per_rank:
+    if verdict.schedule is None:
         return None
-    actual = [list((r or {}).get("timeline") or []) for r in per_rank]
-    return actual, [list(row) for row in expected]
+    return verdict.schedule.actual, verdict.schedule.expected
 
 
 def _style(cell: str, right: bool) -> str:
@@ -89,17 +90,21 @@ def write_png(actual: Timeline, expected: Timeline, path: Path, title: str) -> P
     return path
 
 
-def draw_failed_schedules(results: list, directory: Path) -> None:
+def draw_failed_schedules(results: list[GradedResult], directory: Path) -> list[GradedResult]:
     """A PNG beside results.json for every failed test that recorded a schedule.
 
     The picture's name is added to the test's message, so the student finds it.
     """
+    drawn_results = []
     for result in results:
-        drawn = timelines_of(result.verdict.extra)
+        drawn = timelines_of(result.verdict)
         if result.verdict.passed or drawn is None:
+            drawn_results.append(result)
             continue
         test = result.test
         name = "".join(c if c.isalnum() or c in "-_" else "_" for c in test.name)
         path = directory / f"schedule-{test.part}-{name}-ws{test.world_size}.png"
         write_png(*drawn, path, title=test.title)
-        result.verdict.message += f" (schedules drawn in {path.name})"
+        message = result.verdict.message + f" (schedules drawn in {path.name})"
+        drawn_results.append(replace(result, verdict=replace(result.verdict, message=message)))
+    return drawn_results

@@ -1,6 +1,30 @@
-"""Helpers for writing graded tests: seeded per-rank data and comparisons that explain."""
+"""The public testkit of the graded tests: all a graded test imports from the grader.
 
+A graded test runs in the grader's own process and drives the ranks::
+
+    @pytest.mark.graded(target="collectives.all_reduce", kind="correctness")
+    def test_all_reduce(world):
+        inputs = [rank_tensor("all_reduce", r, (5,), torch.float32) for r in range(world.size)]
+        out = world.call("collectives.all_reduce", [(x.clone(),) for x in inputs])
+        check_close(out.args[0][0], sum(inputs), "all_reduce")
+"""
+
+from grader import failures
+from grader.broker.traffic import Event, Traffic
+from grader.launch.world import CallResult, World
 from grader.testkit.compare import check_close, check_unchanged
-from grader.testkit.data import rank_tensor
+from grader.testkit.data import generator, rank_tensor
+from grader.testkit.record import TestRecord
 
-__all__ = ["check_close", "check_unchanged", "rank_tensor"]
+__all__ = [
+    "CallResult",
+    "Event",
+    "TestRecord",
+    "Traffic",
+    "World",
+    "check_close",
+    "check_unchanged",
+    "failures",
+    "generator",
+    "rank_tensor",
+]

@@ -1,19 +1,19 @@
-"""One call of a collective on n elements in all, the same way for every implementation.
+"""One call of a collective on n float32 elements in all, made the same way for every caller.
 
-Shared by the cost tests and by ``grader bench``, so that the student's, the
-reference's and torch's own collectives are measured on identical work.
-n is the whole array (nccl-tests' convention): the tensor of a broadcast,
-reduce or all-reduce; the concatenation of the pieces of the list-based ones.
+Shared by the cost tests and by the reference traces they compare with, so
+that the student's and the reference's messages are counted on identical
+work. n is the whole array (nccl-tests' convention): the tensor of a
+broadcast, reduce or all-reduce; the concatenation of the pieces of the
+list-based ones. Each output comes with its expected value, so that a cost
+test checks the result like any other test: a fast wrong answer earns nothing.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from types import SimpleNamespace
+from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from grader.testkit.data import rank_tensor
 
@@ -29,46 +29,67 @@ COLLECTIVES = (
 )
 ROOT = 0
 
-# torch.distributed's own collectives, with the student API's signatures.
-TORCH_COLLECTIVES = SimpleNamespace(
-    broadcast=lambda tensor, src: dist.broadcast(tensor, src),
-    reduce=lambda tensor, dst: dist.reduce(tensor, dst),
-    all_reduce=lambda tensor: dist.all_reduce(tensor),
-    scatter=lambda tensor, scatter_list, src: dist.scatter(tensor, scatter_list, src),
-    gather=lambda tensor, gather_list, dst: dist.gather(tensor, gather_list, dst),
-    all_gather=lambda tensor_list, tensor: dist.all_gather(tensor_list, tensor),
-    reduce_scatter=lambda output, input_list: dist.reduce_scatter(output, input_list),
-    all_to_all=lambda output_list, input_list: dist.all_to_all(output_list, input_list),
-)
+
+@dataclass(frozen=True)
+class Expected:
+    """Rank ``rank``'s argument ``argument`` (item ``item`` of a list) must equal ``value``."""
+
+    rank: int
+    argument: int
+    item: int | None
+    value: torch.Tensor
+    magnitude: torch.Tensor | None = None  # of a sum: the sum of its terms' absolute values
 
 
 def collective_call(
-    module: Any,
-    function: str,
-    rank: int,
-    world_size: int,
-    n: int,
-    device: torch.device | str = "cpu",
-) -> Callable[[], None]:
-    """A call of ``module.function`` on n float32 elements (n divisible by the world size)."""
-    piece = n // world_size
-    fn = getattr(module, function)
-    data = rank_tensor(f"costs/{function}", rank, (n,), torch.float32, device=device)
-    pieces = [
-        rank_tensor(f"costs/{function}/{r}", rank, (piece,), torch.float32, device=device)
-        for r in range(world_size)
-    ]
-    empty = [torch.empty(piece, device=device) for _ in range(world_size)]
-    out = torch.empty(piece, device=device)
-    work = data.clone()
-    calls = {
-        "broadcast": lambda: fn(work, ROOT),
-        "reduce": lambda: fn(work, ROOT),
-        "all_reduce": lambda: fn(work),
-        "scatter": lambda: fn(out, pieces if rank == ROOT else None, ROOT),
-        "gather": lambda: fn(pieces[0], empty if rank == ROOT else None, ROOT),
-        "all_gather": lambda: fn(empty, pieces[0]),
-        "reduce_scatter": lambda: fn(out, pieces),
-        "all_to_all": lambda: fn(empty, pieces),
-    }
-    return calls[function]
+    function: str, p: int, n: int, key: str = "costs"
+) -> tuple[list[tuple[Any, ...]], list[Expected]]:
+    """Every rank's arguments for one call of ``function``, and the outputs it must produce."""
+    piece = n // p
+
+    def data(rank: int, item: int = -1) -> torch.Tensor:
+        size = n if item < 0 else piece
+        return rank_tensor(f"{key}/{function}/{n}/{item}", rank, (size,), torch.float32)
+
+    def zeros() -> torch.Tensor:
+        return torch.zeros(piece)
+
+    ranks = range(p)
+    if function in ("broadcast", "reduce", "all_reduce"):
+        inputs = [data(r) for r in ranks]
+        args = [(inputs[r].clone(), ROOT) for r in ranks]
+        if function == "all_reduce":
+            args = [(inputs[r].clone(),) for r in ranks]
+        total = torch.stack(inputs).double().sum(0).float()
+        size = torch.stack(inputs).double().abs().sum(0)
+        if function == "broadcast":
+            return args, [Expected(r, 0, None, inputs[ROOT]) for r in ranks]
+        targets = [ROOT] if function == "reduce" else list(ranks)
+        return args, [Expected(r, 0, None, total, size) for r in targets]
+    pieces = [[data(r, i) for i in ranks] for r in ranks]
+    if function == "scatter":
+        args = [(zeros(), pieces[r] if r == ROOT else None, ROOT) for r in ranks]
+        return args, [Expected(r, 0, None, pieces[ROOT][r]) for r in ranks]
+    if function == "gather":
+        args = [
+            (pieces[r][0], [zeros() for _ in ranks] if r == ROOT else None, ROOT) for r in ranks
+        ]
+        return args, [Expected(ROOT, 1, i, pieces[i][0]) for i in ranks]
+    if function == "all_gather":
+        args = [([zeros() for _ in ranks], pieces[r][0]) for r in ranks]
+        return args, [Expected(r, 0, i, pieces[i][0]) for r in ranks for i in ranks]
+    if function == "reduce_scatter":
+        args = [(zeros(), pieces[r]) for r in ranks]
+        terms = [torch.stack([pieces[s][r] for s in ranks]).double() for r in ranks]
+        return args, [
+            Expected(r, 0, None, terms[r].sum(0).float(), terms[r].abs().sum(0)) for r in ranks
+        ]
+    if function == "all_to_all":
+        args = [([zeros() for _ in ranks], pieces[r]) for r in ranks]
+        return args, [Expected(r, 0, s, pieces[s][r]) for r in ranks for s in ranks]
+    raise ValueError(f"unknown collective {function}")
+
+
+def output(out_args: list[tuple[Any, ...]], expected: Expected) -> torch.Tensor:
+    value = out_args[expected.rank][expected.argument]
+    return value if expected.item is None else value[expected.item]

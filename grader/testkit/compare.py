@@ -3,15 +3,29 @@
 A bare "tensors differ" teaches nothing. :func:`check_close` finds the first
 wrong element and tries the usual mistakes on it: a rank's contribution
 missing or counted twice, another rank's data in place of the right one, the
-tensor never written. The graded tests pass those candidate explanations in,
-since only they know what each rank contributed.
+tensor coming back as it went in, a sum accumulated in too low a precision.
+The graded tests pass the data-dependent explanations in, since only they know
+what each rank contributed.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 FLOAT_TOLERANCE_ULPS = 4.0
+UNCHANGED = (
+    "it came back unchanged: nothing was received into it, or the result was never copied "
+    "back into it with copy_"
+)
+# The dtype one precision below each float dtype, as students reach for it: summing in
+# float32 a float64 tensor, or in bfloat16 (autocast, a bf16 buffer) a float32 one.
+LOWER_PRECISION = {torch.float64: torch.float32, torch.float32: torch.bfloat16}
+# Below this relative error a wrong element is a rounding question, not a wrong value:
+# the message then gives the error against the tolerance, not just two numbers.
+PRECISION_RELATIVE_ERROR = 1e-2
+_MAX_DIGITS = 17  # enough to tell any two distinct doubles apart
 
 
 def tolerance(
@@ -36,7 +50,7 @@ def check_close(
     *,
     magnitude: torch.Tensor | None = None,
     terms: int = 1,
-    explanations: dict[str, torch.Tensor] | None = None,
+    explanations: dict[str, torch.Tensor] | Callable[[], dict[str, torch.Tensor]] | None = None,
     before: torch.Tensor | None = None,
 ) -> None:
     """Raise an AssertionError naming the first wrong element of ``actual``, and why.
@@ -44,7 +58,8 @@ def check_close(
     ``magnitude``: the sum of the absolute values of the terms behind each
     expected element (for the float tolerance); ``explanations``: what the
     tensor would hold after each usual mistake, by a phrase describing it;
-    ``before``: the tensor's contents before the call (to recognise "not written").
+    ``before``: the tensor's contents before the call, i.e. the rank's own input
+    (to recognise a tensor that came back unchanged).
     """
     if actual.shape != expected.shape:
         raise AssertionError(
@@ -63,10 +78,13 @@ def check_close(
     count = int(wrong.sum())
     more = f" (and {count - 1} more of {got.numel()})" if count > 1 else ""
     position = _position(index, tuple(expected.shape))
-    message = (
-        f"{what}: element {position}{more}: expected {_fmt(want[index])}, got {_fmt(got[index])}"
-    )
+    shown_want, shown_got = format_pair(float(want[index]), float(got[index]))
+    message = f"{what}: element {position}{more}: expected {shown_want}, got {shown_got}"
+    if callable(explanations):  # made only when needed: they cost as much as the check
+        explanations = explanations()
     reason = _explain(got, wrong, allowed, explanations or {}, before)
+    if not reason and expected.dtype.is_floating_point:
+        reason = _precision(got, want, wrong, index, allowed, scale, terms, expected.dtype)
     raise AssertionError(message + (f" ({reason})" if reason else ""))
 
 
@@ -75,10 +93,20 @@ def check_unchanged(actual: torch.Tensor, original: torch.Tensor, what: str) -> 
     if not torch.equal(actual.detach().cpu(), original.detach().cpu()):
         index = int((actual.detach().cpu() != original.detach().cpu()).reshape(-1).nonzero()[0])
         where = _position(index, tuple(original.shape))
+        was, now = format_pair(float(original.reshape(-1)[index]), float(actual.reshape(-1)[index]))
         raise AssertionError(
-            f"{what} was modified, but it is an input: element {where} "
-            f"was {_fmt(original.reshape(-1)[index])}, now {_fmt(actual.reshape(-1)[index])}"
+            f"{what} was modified, but it is an input: element {where} was {was}, now {now}"
         )
+
+
+def format_pair(expected: float, actual: float) -> tuple[str, str]:
+    """Both numbers, with as many significant digits as it takes for two different values
+    to print differently: "expected -1.50163, got -1.50163" would contradict the verdict."""
+    for digits in range(6, _MAX_DIGITS + 1):
+        shown = _fmt(expected, digits), _fmt(actual, digits)
+        if shown[0] != shown[1] or expected == actual:
+            return shown
+    return shown
 
 
 def _explain(
@@ -90,7 +118,7 @@ def _explain(
 ) -> str:
     """The first explanation that accounts for every wrong element, or ''."""
     if before is not None and torch.equal(got, before.detach().cpu().reshape(-1).double()):
-        return "the tensor was not written: results must be stored in place, in the given tensor"
+        return UNCHANGED
     for reason, alternative in explanations.items():
         candidate = alternative.detach().cpu().reshape(-1).double()
         if candidate.numel() != got.numel():
@@ -99,6 +127,38 @@ def _explain(
         if bool(fits[wrong].all()):
             return reason
     return ""
+
+
+def _precision(
+    got: torch.Tensor,
+    want: torch.Tensor,
+    wrong: torch.Tensor,
+    index: int,
+    allowed: torch.Tensor | float,
+    scale: torch.Tensor,
+    terms: int,
+    dtype: torch.dtype,
+) -> str:
+    """The error against the tolerance when the value is nearly right, and the likely cause
+    when a lower precision's rounding accounts for every wrong element."""
+    error = abs(float(got[index]) - float(want[index]))
+    size = abs(float(want[index]))
+    if not error <= PRECISION_RELATIVE_ERROR * max(size, float(scale[index])):
+        return ""  # NaN, or a wrong value: the numbers themselves tell
+    limit = float(allowed[index]) if isinstance(allowed, torch.Tensor) else float(allowed)
+    relative = f", relative {error / size:.2g}" if size > 0 else ""
+    figures = f"off by {error:.2g}{relative}, tolerance {limit:.2g}"
+    lower = LOWER_PRECISION.get(dtype)
+    if lower is None:
+        return figures
+    lower_allowed = tolerance(lower, scale, terms)
+    if bool(((got - want).abs() <= lower_allowed)[wrong].all()):
+        low, high = str(lower).removeprefix("torch."), str(dtype).removeprefix("torch.")
+        return (
+            f"{figures}: an error the size of {low}'s rounding, so likely accumulated in a "
+            f"lower precision ({low}) than the {high} input: add in {high}"
+        )
+    return figures
 
 
 def _position(index: int, shape: tuple[int, ...]) -> str:
@@ -111,6 +171,7 @@ def _position(index: int, shape: tuple[int, ...]) -> str:
     return "[" + ", ".join(str(c) for c in reversed(coordinates)) + "]"
 
 
-def _fmt(value: torch.Tensor) -> str:
-    number = float(value)
-    return str(int(number)) if number.is_integer() and abs(number) < 1e15 else f"{number:.6g}"
+def _fmt(number: float, digits: int = 6) -> str:
+    if number.is_integer() and abs(number) < 1e15:
+        return str(int(number))
+    return f"{number:.{digits}g}"

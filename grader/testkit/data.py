@@ -1,20 +1,39 @@
-"""Seeded inputs that differ per rank and per test, and that every rank can recompute.
+"""Inputs that differ per rank and per test, made on the trusted side from a secret seed.
 
-Each rank can build any other rank's input from the same seed, so the
-expected result is computed locally, without trusting any communication.
-Values are chosen so that mistakes show: every rank's data differs, and for
-bfloat16 they are small integers, whose sums are exact in any order.
+The ranks receive their inputs and nothing else: they cannot recompute
+another rank's data (and so skip the communication), because the seed comes
+from a secret that only the grader's process reads. The seed is also salted
+with the submission's digest, so a rerun of the same submission sees the
+same inputs and reproduces the same failure. Values are chosen so that
+mistakes show: every rank's data differs, and for bfloat16 they are small
+integers, whose sums are exact in any order.
 """
 
 from __future__ import annotations
 
-import zlib
+import hashlib
+import hmac
 
 import torch
 
+_key: bytes | None = None
+
+
+def configure(secret: bytes, salt: str) -> None:
+    """Seed every later input from ``secret`` and ``salt`` (the submission's digest)."""
+    global _key
+    _key = hmac.new(secret, salt.encode(), hashlib.sha256).digest()
+
 
 def seed_for(key: str, rank: int) -> int:
-    return zlib.crc32(f"{key}/rank{rank}".encode())
+    if _key is None:
+        raise RuntimeError("inputs are made only by `grader run`, which holds the secret")
+    digest = hmac.new(_key, f"{key}/rank{rank}".encode(), hashlib.sha256).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+
+def generator(key: str, rank: int = 0) -> torch.Generator:
+    return torch.Generator().manual_seed(seed_for(key, rank))
 
 
 def rank_tensor(
@@ -24,18 +43,17 @@ def rank_tensor(
     dtype: torch.dtype,
     *,
     contiguous: bool = True,
-    device: torch.device | str = "cpu",
 ) -> torch.Tensor:
     """Rank ``rank``'s input for the case ``key``; non-contiguous if asked (every other column)."""
-    generator = torch.Generator().manual_seed(seed_for(key, rank))
+    gen = generator(key, rank)
     full_shape = shape if contiguous else (*shape[:-1], 2 * shape[-1]) if shape else (2,)
     if dtype in (torch.float32, torch.float64, torch.float16):
-        values = torch.randn(full_shape, generator=generator, dtype=torch.float64)
+        values = torch.randn(full_shape, generator=gen, dtype=torch.float64)
     elif dtype == torch.bfloat16:
-        values = torch.randint(-32, 33, full_shape, generator=generator).double()
+        values = torch.randint(-32, 33, full_shape, generator=gen).double()
     else:
-        values = torch.randint(-1000, 1001, full_shape, generator=generator).double()
-    tensor = values.to(dtype=dtype, device=device)
+        values = torch.randint(-1000, 1001, full_shape, generator=gen).double()
+    tensor = values.to(dtype=dtype)
     if not contiguous:
         tensor = tensor[..., ::2]
         assert not tensor.is_contiguous() or tensor.numel() <= 1

@@ -3,21 +3,22 @@
 Each test runs one collective over many cases: four dtypes; one element (fewer
 than the ranks), a size the world size does not divide, a non-contiguous 2-D
 view, and one large tensor of at least 1M elements; every root for the rooted
-operations. Every rank recomputes every other rank's seeded input, so the
-expected result is computed locally. Built-in collectives are blocked while
-these tests run (``forbid_collectives`` in grading.yaml).
+operations. The inputs are made here, in the grader's process, from a secret
+seed; each rank gets its own and sends back the caller's tensors after the
+call, which are compared here. Built-in collectives are refused by the broker
+while these tests run (``forbid_collectives`` in grading.yaml).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
-from types import ModuleType
+from functools import partial
 
 import pytest
 import torch
 
-from grader.testkit import check_close, check_unchanged, rank_tensor
+from grader.testkit import CallResult, World, check_close, check_unchanged, rank_tensor
 
 DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.int64)
 LARGE = 1_000_003  # elements in all, across the ranks' pieces for the list-based operations
@@ -35,6 +36,9 @@ class Case:
     def tensor(self, rank: int, item: int = 0, root: int = 0) -> torch.Tensor:
         key = f"{self.op}/{self.shape}/{self.dtype}/{self.contiguous}/root{root}/item{item}"
         return rank_tensor(key, rank, self.shape, self.dtype, contiguous=self.contiguous)
+
+    def zeros(self) -> torch.Tensor:
+        return torch.zeros(self.shape, dtype=self.dtype)
 
     def __str__(self) -> str:
         layout = "" if self.contiguous else "non-contiguous "
@@ -77,198 +81,243 @@ def sum_mistakes(parts: list[torch.Tensor], expected: torch.Tensor, who: str = "
     return explanations
 
 
+def scatter_mistakes(lists: list[list[torch.Tensor]], rank: int, expected: torch.Tensor) -> dict:
+    """A reduce-scatter's usual mistakes: a sum gone wrong, or another rank's piece summed."""
+    p = len(lists)
+    explanations = sum_mistakes([lists[s][rank] for s in range(p)], expected)
+    for j in range(p):
+        if j != rank:
+            explanations[f"it holds the sum of piece {j}, which belongs to rank {j}"] = total(
+                [lists[s][j] for s in range(p)], expected.dtype
+            )
+    return explanations
+
+
 def data_mistakes(candidates: dict[str, torch.Tensor], right: str) -> dict:
     return {
         f"it holds {label}, not {right}": t for label, t in candidates.items() if label != right
     }
 
 
+def check_item(
+    out: CallResult,
+    rank: int,
+    argument: int,
+    item: int,
+    expected: torch.Tensor,
+    what: str,
+    **explain: object,
+) -> None:
+    """Check item ``item`` of a list argument; name a rebound list entry as the cause."""
+    rebound = f"args[{argument}][{item}]" in out.rebound[rank]
+    try:
+        check_close(out.args[rank][argument][item], expected, what, **explain)  # type: ignore[arg-type]
+    except AssertionError as err:
+        if not rebound:
+            raise
+        raise AssertionError(
+            f"{err} (the list item was replaced, not filled in: the caller's tensors must "
+            "hold the result, so copy into them, e.g. tensor_list[i].copy_(...))"
+        ) from None
+
+
 @pytest.mark.graded(target="collectives.broadcast", kind="correctness")
-def test_broadcast(student: ModuleType, rank: int, world_size: int) -> None:
-    for case in cases("broadcast", world_size):
-        for src in roots(world_size, case):
-            inputs = [case.tensor(r, root=src) for r in range(world_size)]
-            mine = case.tensor(rank, root=src)
-            student.broadcast(mine, src)
+def test_broadcast(world: World) -> None:
+    p = world.size
+    for case in cases("broadcast", p):
+        for src in roots(p, case):
+            inputs = [case.tensor(r, root=src) for r in range(p)]
             what = f"broadcast of {case} from rank {src}"
-            if rank == src:
-                check_unchanged(mine, inputs[src], f"{what}: the source's tensor")
-                continue
-            candidates = {f"rank {r}'s data": inputs[r] for r in range(world_size)}
-            check_close(
-                mine,
-                inputs[src],
-                what,
-                before=inputs[rank],
-                explanations=data_mistakes(candidates, f"rank {src}'s data"),
-            )
+            args = [(inputs[r], src) for r in range(p)]  # sent as bytes: ours stay as they are
+            out = world.call("collectives.broadcast", args, case=what)
+            candidates = {f"rank {r}'s data": inputs[r] for r in range(p)}
+            for r in range(p):
+                if r == src:
+                    check_unchanged(out.args[r][0], inputs[src], f"{what}: the source's tensor")
+                    continue
+                check_close(
+                    out.args[r][0],
+                    inputs[src],
+                    f"rank {r}: {what}",
+                    before=inputs[r],
+                    explanations=data_mistakes(candidates, f"rank {src}'s data"),
+                )
 
 
 @pytest.mark.graded(target="collectives.reduce", kind="correctness")
-def test_reduce(student: ModuleType, rank: int, world_size: int) -> None:
-    for case in cases("reduce", world_size):
-        for dst in roots(world_size, case):
-            inputs = [case.tensor(r, root=dst) for r in range(world_size)]
-            mine = case.tensor(rank, root=dst)
-            student.reduce(mine, dst)
+def test_reduce(world: World) -> None:
+    p = world.size
+    for case in cases("reduce", p):
+        for dst in roots(p, case):
+            inputs = [case.tensor(r, root=dst) for r in range(p)]
             what = f"reduce of {case} to rank {dst}"
-            if rank != dst:
-                check_unchanged(
-                    mine, inputs[rank], f"{what}: rank {rank}'s tensor (not the destination)"
-                )
-                continue
+            out = world.call("collectives.reduce", [(inputs[r], dst) for r in range(p)], case=what)
+            for r in range(p):
+                if r != dst:
+                    check_unchanged(
+                        out.args[r][0],
+                        inputs[r],
+                        f"{what}: rank {r}'s tensor (not the destination)",
+                    )
             expected = total(inputs, case.dtype)
             check_close(
-                mine,
+                out.args[dst][0],
                 expected,
-                what,
+                f"rank {dst}: {what}",
                 magnitude=magnitude(inputs),
-                terms=world_size,
-                explanations=sum_mistakes(inputs, expected),
-                before=inputs[rank],
+                terms=p,
+                explanations=partial(sum_mistakes, inputs, expected),
+                before=inputs[dst],
             )
 
 
 @pytest.mark.graded(target="collectives.all_reduce", kind="correctness")
-def test_all_reduce(student: ModuleType, rank: int, world_size: int) -> None:
-    for case in cases("all_reduce", world_size):
-        inputs = [case.tensor(r) for r in range(world_size)]
-        mine = case.tensor(rank)
-        student.all_reduce(mine)
+def test_all_reduce(world: World) -> None:
+    p = world.size
+    for case in cases("all_reduce", p):
+        inputs = [case.tensor(r) for r in range(p)]
+        what = f"all_reduce of {case}"
+        out = world.call("collectives.all_reduce", [(inputs[r],) for r in range(p)], case=what)
         expected = total(inputs, case.dtype)
-        check_close(
-            mine,
-            expected,
-            f"all_reduce of {case}",
-            magnitude=magnitude(inputs),
-            terms=world_size,
-            explanations=sum_mistakes(inputs, expected),
-            before=inputs[rank],
-        )
+        for r in range(p):
+            check_close(
+                out.args[r][0],
+                expected,
+                f"rank {r}: {what}",
+                magnitude=magnitude(inputs),
+                terms=p,
+                explanations=partial(sum_mistakes, inputs, expected),
+                before=inputs[r],
+            )
 
 
 @pytest.mark.graded(target="collectives.scatter", kind="correctness")
-def test_scatter(student: ModuleType, rank: int, world_size: int) -> None:
-    for case in cases("scatter", world_size, per_item=True):
-        for src in roots(world_size, case):
-            pieces = [case.tensor(src, item=r, root=src) for r in range(world_size)]
-            scatter_list = (
-                [case.tensor(src, item=r, root=src) for r in range(world_size)]
-                if rank == src
-                else None
-            )
-            mine = torch.zeros(case.shape, dtype=case.dtype)
-            student.scatter(mine, scatter_list, src)
+def test_scatter(world: World) -> None:
+    p = world.size
+    for case in cases("scatter", p, per_item=True):
+        for src in roots(p, case):
+            pieces = [case.tensor(src, item=r, root=src) for r in range(p)]
             what = f"scatter of {case} pieces from rank {src}"
-            candidates = {f"piece {r} of the scatter_list": pieces[r] for r in range(world_size)}
-            check_close(
-                mine,
-                pieces[rank],
-                f"{what}, rank {rank}'s piece",
-                before=torch.zeros(case.shape),
-                explanations=data_mistakes(candidates, f"piece {rank} of the scatter_list"),
-            )
-            if scatter_list is not None:
-                for r, item in enumerate(scatter_list):
-                    check_unchanged(item, pieces[r], f"{what}: scatter_list[{r}] on the source")
+            args = [
+                (case.zeros(), pieces, src) if r == src else (case.zeros(), None, src)
+                for r in range(p)
+            ]
+            out = world.call("collectives.scatter", args, case=what)
+            candidates = {f"piece {r} of the scatter_list": pieces[r] for r in range(p)}
+            for r in range(p):
+                check_close(
+                    out.args[r][0],
+                    pieces[r],
+                    f"rank {r}: {what}",
+                    before=case.zeros(),
+                    explanations=data_mistakes(candidates, f"piece {r} of the scatter_list"),
+                )
+            for i, item in enumerate(out.args[src][1]):
+                check_unchanged(item, pieces[i], f"{what}: scatter_list[{i}] on the source")
 
 
 @pytest.mark.graded(target="collectives.gather", kind="correctness")
-def test_gather(student: ModuleType, rank: int, world_size: int) -> None:
-    for case in cases("gather", world_size, per_item=True):
-        for dst in roots(world_size, case):
-            inputs = [case.tensor(r, root=dst) for r in range(world_size)]
-            mine = case.tensor(rank, root=dst)
-            gather_list = (
-                [torch.zeros(case.shape, dtype=case.dtype) for _ in range(world_size)]
-                if rank == dst
-                else None
-            )
-            student.gather(mine, gather_list, dst)
+def test_gather(world: World) -> None:
+    p = world.size
+    for case in cases("gather", p, per_item=True):
+        for dst in roots(p, case):
+            inputs = [case.tensor(r, root=dst) for r in range(p)]
             what = f"gather of {case} to rank {dst}"
-            check_unchanged(mine, inputs[rank], f"{what}: rank {rank}'s input tensor")
-            if gather_list is None:
-                continue
-            candidates = {f"rank {r}'s tensor": inputs[r] for r in range(world_size)}
-            for r in range(world_size):
-                check_close(
-                    gather_list[r],
+            args = [
+                (
                     inputs[r],
-                    f"{what}: gather_list[{r}]",
-                    before=torch.zeros(case.shape),
+                    [case.zeros() for _ in range(p)] if r == dst else None,
+                    dst,
+                )
+                for r in range(p)
+            ]
+            out = world.call("collectives.gather", args, case=what)
+            for r in range(p):
+                check_unchanged(out.args[r][0], inputs[r], f"{what}: rank {r}'s input tensor")
+            candidates = {f"rank {r}'s tensor": inputs[r] for r in range(p)}
+            for r in range(p):
+                check_item(
+                    out,
+                    dst,
+                    1,
+                    r,
+                    inputs[r],
+                    f"rank {dst}: {what}: gather_list[{r}]",
+                    before=case.zeros(),
                     explanations=data_mistakes(candidates, f"rank {r}'s tensor"),
                 )
 
 
 @pytest.mark.graded(target="collectives.all_gather", kind="correctness")
-def test_all_gather(student: ModuleType, rank: int, world_size: int) -> None:
-    for case in cases("all_gather", world_size, per_item=True):
-        inputs = [case.tensor(r) for r in range(world_size)]
-        mine = case.tensor(rank)
-        tensor_list = [torch.zeros(case.shape, dtype=case.dtype) for _ in range(world_size)]
-        student.all_gather(tensor_list, mine)
+def test_all_gather(world: World) -> None:
+    p = world.size
+    for case in cases("all_gather", p, per_item=True):
+        inputs = [case.tensor(r) for r in range(p)]
         what = f"all_gather of {case}"
-        check_unchanged(mine, inputs[rank], f"{what}: rank {rank}'s input tensor")
-        candidates = {f"rank {r}'s tensor": inputs[r] for r in range(world_size)}
-        for r in range(world_size):
-            check_close(
-                tensor_list[r],
-                inputs[r],
-                f"{what}: tensor_list[{r}]",
-                before=torch.zeros(case.shape),
-                explanations=data_mistakes(candidates, f"rank {r}'s tensor"),
-            )
+        args = [([case.zeros() for _ in range(p)], inputs[r]) for r in range(p)]
+        out = world.call("collectives.all_gather", args, case=what)
+        candidates = {f"rank {r}'s tensor": inputs[r] for r in range(p)}
+        for rank in range(p):
+            check_unchanged(out.args[rank][1], inputs[rank], f"{what}: rank {rank}'s input tensor")
+            for r in range(p):
+                check_item(
+                    out,
+                    rank,
+                    0,
+                    r,
+                    inputs[r],
+                    f"rank {rank}: {what}: tensor_list[{r}]",
+                    before=case.zeros(),
+                    explanations=data_mistakes(candidates, f"rank {r}'s tensor"),
+                )
 
 
 @pytest.mark.graded(target="collectives.reduce_scatter", kind="correctness")
-def test_reduce_scatter(student: ModuleType, rank: int, world_size: int) -> None:
-    for case in cases("reduce_scatter", world_size, per_item=True):
-        lists = [[case.tensor(s, item=r) for r in range(world_size)] for s in range(world_size)]
-        input_list = [case.tensor(rank, item=r) for r in range(world_size)]
-        output = torch.zeros(case.shape, dtype=case.dtype)
-        student.reduce_scatter(output, input_list)
+def test_reduce_scatter(world: World) -> None:
+    p = world.size
+    for case in cases("reduce_scatter", p, per_item=True):
+        lists = [[case.tensor(s, item=r) for r in range(p)] for s in range(p)]
         what = f"reduce_scatter of {case} pieces"
-        for r, item in enumerate(input_list):
-            check_unchanged(item, lists[rank][r], f"{what}: input_list[{r}]")
-        mine = [lists[s][rank] for s in range(world_size)]
-        expected = total(mine, case.dtype)
-        explanations = sum_mistakes(mine, expected)
-        for j in range(world_size):
-            if j != rank:
-                explanations[f"it holds the sum of piece {j}, which belongs to rank {j}"] = total(
-                    [lists[s][j] for s in range(world_size)], case.dtype
-                )
-        check_close(
-            output,
-            expected,
-            f"{what}: rank {rank}'s output",
-            magnitude=magnitude(mine),
-            terms=world_size,
-            explanations=explanations,
-            before=torch.zeros(case.shape),
-        )
+        args = [(case.zeros(), lists[s]) for s in range(p)]
+        out = world.call("collectives.reduce_scatter", args, case=what)
+        for rank in range(p):
+            for r, item in enumerate(out.args[rank][1]):
+                check_unchanged(item, lists[rank][r], f"{what}: rank {rank}'s input_list[{r}]")
+            mine = [lists[s][rank] for s in range(p)]
+            expected = total(mine, case.dtype)
+            check_close(
+                out.args[rank][0],
+                expected,
+                f"rank {rank}: {what}: its output",
+                magnitude=magnitude(mine),
+                terms=p,
+                explanations=partial(scatter_mistakes, lists, rank, expected),
+                before=case.zeros(),
+            )
 
 
 @pytest.mark.graded(target="collectives.all_to_all", kind="correctness")
-def test_all_to_all(student: ModuleType, rank: int, world_size: int) -> None:
-    for case in cases("all_to_all", world_size, per_item=True):
-        lists = [[case.tensor(s, item=r) for r in range(world_size)] for s in range(world_size)]
-        input_list = [case.tensor(rank, item=r) for r in range(world_size)]
-        output_list = [torch.zeros(case.shape, dtype=case.dtype) for _ in range(world_size)]
-        student.all_to_all(output_list, input_list)
+def test_all_to_all(world: World) -> None:
+    p = world.size
+    for case in cases("all_to_all", p, per_item=True):
+        lists = [[case.tensor(s, item=r) for r in range(p)] for s in range(p)]
         what = f"all_to_all of {case} pieces"
-        for r, item in enumerate(input_list):
-            check_unchanged(item, lists[rank][r], f"{what}: input_list[{r}]")
-        for s in range(world_size):
-            candidates = {
-                f"rank {t}'s input_list[{j}]": lists[t][j]
-                for t in range(world_size)
-                for j in range(world_size)
-            }
-            check_close(
-                output_list[s],
-                lists[s][rank],
-                f"{what}: output_list[{s}]",
-                before=torch.zeros(case.shape),
-                explanations=data_mistakes(candidates, f"rank {s}'s input_list[{rank}]"),
-            )
+        args = [([case.zeros() for _ in range(p)], lists[s]) for s in range(p)]
+        out = world.call("collectives.all_to_all", args, case=what)
+        candidates = {
+            f"rank {t}'s input_list[{j}]": lists[t][j] for t in range(p) for j in range(p)
+        }
+        for rank in range(p):
+            for r, item in enumerate(out.args[rank][1]):
+                check_unchanged(item, lists[rank][r], f"{what}: rank {rank}'s input_list[{r}]")
+            for s in range(p):
+                check_item(
+                    out,
+                    rank,
+                    0,
+                    s,
+                    lists[s][rank],
+                    f"rank {rank}: {what}: output_list[{s}]",
+                    before=case.zeros(),
+                    explanations=data_mistakes(candidates, f"rank {s}'s input_list[{rank}]"),
+                )

@@ -1,72 +1,73 @@
-"""Graded tests of what each collective costs: its messages, and its time against the reference.
+"""Graded tests of what each collective costs, judged from the messages the broker carried.
 
-``communication``: every rank logs the messages of one call of the student's
-function and one of the reference's; the grader counts the bytes of the
-busiest rank and the rounds, and compares them with the classic lower bounds
-(``grader/judge/communication.py``). Deterministic: the same on every machine.
+``communication``: the bytes the busiest rank moves and the rounds, against the
+classic lower bounds (``grader/judge/communication.py``).
 
-``performance``: the student's and the reference's functions run alternately
-in this job after a warm-up; the grader takes each iteration's slowest rank
-and the median of the paired ratios (``grader/judge/costs.py``).
+``performance``: the message pattern replayed on models of real machines
+(``grader/judge/machines.yaml``) against the reference's pattern of the same
+call (``grader/judge/reference_traces.json``).
 
-Both earn points only where the correctness test of the same function passed.
+Both check the call's result first, like any other test: a fast wrong answer
+earns nothing. Both are deterministic: the same on every machine, every run.
 """
 
 from __future__ import annotations
 
-from types import ModuleType
-
 import pytest
-import torch
 
-from grader.rank.context import TestContext
-from grader.testkit.calls import COLLECTIVES, collective_call
-from grader.testkit.timing import paired_times
+from grader.judge.costs import judge_communication, judge_performance
+from grader.judge.reference_traces import reference_messages
+from grader.testkit import CallResult, TestRecord, World, check_close
+from grader.testkit.calls import COLLECTIVES, collective_call, output
+
+
+def checked_call(world: World, function: str, n: int) -> CallResult:
+    args, expected = collective_call(function, world.size, n)
+    what = f"{function} of {n} float32 elements"
+    out = world.call(f"collectives.{function}", args, case=what)
+    for want in expected:
+        got = output(out.args, want)
+        check_close(
+            got, want.value, f"rank {want.rank}: {what}", magnitude=want.magnitude, terms=world.size
+        )
+    return out
+
+
+def allowed_ratio(options: dict, function: str) -> float:
+    allowed = options.get("max_bytes_ratio", 1.0)
+    return float(allowed.get(function, 1.0) if isinstance(allowed, dict) else allowed)
 
 
 @pytest.mark.parametrize("function", COLLECTIVES)
 @pytest.mark.graded(target="collectives.{function}", kind="communication")
-def test_communication(
-    function: str,
-    student: ModuleType,
-    reference: ModuleType,
-    ctx: TestContext,
-    rank: int,
-    world_size: int,
-    device: torch.device,
-    options: dict,
-) -> None:
-    n = int(options.get("communication_elements", 12 * 4096))
-    with ctx.recording() as mine:
-        collective_call(student, function, rank, world_size, n, device)()
-    ctx.barrier()
-    with ctx.recording() as theirs:
-        collective_call(reference, function, rank, world_size, n, device)()
-    ctx.extra["communication"] = {"function": function, "n_bytes": n * 4}
-    ctx.extra["per_rank"] = {"student": mine.messages(), "reference": theirs.messages()}
+def test_communication(function: str, world: World, options: dict, record: TestRecord) -> None:
+    n = int(options["communication_elements"])
+    out = checked_call(world, function, n)
+    judged = judge_communication(
+        function,
+        world.size,
+        n * 4,
+        out.traffic.messages(),
+        reference_messages(function, world.size, n),
+        allowed_ratio(options, function),
+    )
+    record.details.update(judged.details)
+    record.credit(judged.fraction, judged.message)
 
 
 @pytest.mark.parametrize("function", COLLECTIVES)
 @pytest.mark.graded(target="collectives.{function}", kind="performance")
-def test_performance(
-    function: str,
-    student: ModuleType,
-    reference: ModuleType,
-    ctx: TestContext,
-    rank: int,
-    world_size: int,
-    device: torch.device,
-    options: dict,
-) -> None:
-    n = int(options.get("performance_elements", 1 << 20))
-    mine, theirs = paired_times(
-        collective_call(student, function, rank, world_size, n, device),
-        collective_call(reference, function, rank, world_size, n, device),
-        ctx.barrier,
-        device,
-        iterations=int(options.get("iterations", 9)),
-        warmup=int(options.get("warmup", 1)),
-        repeats=int(options.get("repeats", 3)),
+def test_performance(function: str, world: World, options: dict, record: TestRecord) -> None:
+    n = int(options["performance_elements"])
+    out = checked_call(world, function, n)
+    judged = judge_performance(
+        function,
+        world.size,
+        n * 4,
+        out.traffic.messages(),
+        reference_messages(function, world.size, n),
+        float(options.get("full_points_within", 1.5)),
+        float(options.get("zero_points_beyond", 3.0)),
     )
-    ctx.extra["performance"] = {"function": function, "n_bytes": n * 4}
-    ctx.extra["per_rank"] = {"student_times": mine, "reference_times": theirs}
+    record.details.update(judged.details)
+    record.credit(judged.fraction, judged.message)

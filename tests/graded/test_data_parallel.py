@@ -1,354 +1,357 @@
-"""Graded tests of ``assignments/data_parallel.py``: DataParallel (DDP) and ShardedOptimizer.
+"""Graded tests of ``DataParallel`` (DDP) in ``assignments/data_parallel.py``.
 
-The oracle is the same work done on one process, in float64 (any honest summation order
-agrees to ~1e-15, so a tolerance of 1e-9 leaves no bug unseen).
+The ranks run the scenarios of :mod:`grader.scenarios.data_parallel` on inputs made here
+from a secret seed; the oracle is the same work done here on one process, in float64 (any
+honest summation order agrees to ~1e-15, so a tolerance of 1e-9 leaves no bug unseen).
+The ShardedOptimizer's tests are in ``test_sharded_optimizer.py``.
 
 - ``data_parallel_training``: a model with a tied weight (``embed.weight`` is also
-  ``head.weight``), a frozen layer and a buffer, seeded differently on every rank, is wrapped
-  and trained a few steps of SGD or AdamW, each rank on its slice of the batch. Right after
-  wrapping every rank must hold rank 0's parameters and buffers; after each synchronization
-  the gradients, and after each step the parameters, must equal those of the model trained
-  on the full batch on one process. The message names the first step and parameter that
-  diverge, by how much, and the usual mistake behind it: gradients summed, not averaged;
-  never reduced; a tied weight counted twice; a frozen parameter given a gradient.
-- ``overlap`` (schedule): observed, not assumed. Around backward + finish the all-reduces are
-  recorded: the first must be called before ``backward()`` returns, and their number and
-  bytes must match the bucketing.
-- ``sharded_optimizer``: ZeRO-1 against the unsharded optimizer (SGD with momentum, AdamW):
-  7 parameters (p divides none of 2, 3, 4) in two groups, the second added with
-  ``add_param_group``; a step where one parameter has no gradient; ``zero_grad`` between.
-- ``sharded_optimizer_state``: the bytes of the tensors in the ``state`` of the
-  ShardedOptimizer and of any optimizer it holds, about 1/p of the unsharded optimizer's.
+  ``head.weight``), a frozen layer and a buffer, initialised differently on every rank, is
+  wrapped and trained a few steps of SGD or AdamW, each rank on its slice of the batch. Right
+  after wrapping every rank must hold rank 0's parameters and buffers; after each
+  synchronization the gradients, and after each step the parameters, must equal those of the
+  model trained on the full batch on one process. The message names the rank, the first step
+  and parameter that diverge, by how much, and the usual mistake behind it: gradients summed,
+  not averaged, or scaled by any other uniform factor; never reduced; a tied weight counted
+  twice; a frozen parameter given a gradient; a bucket in a lower precision than the gradients.
+  The bucket caps include one (40 bytes) smaller than every parameter: each its own bucket.
+- ``unused_parameter``: the same training with plain SGD, but in iteration 2 the model skips
+  its ``hidden`` layer on every rank, so ``hidden.weight`` and ``hidden.bias`` get no gradient
+  and their hooks never fire. Right DDP neither hangs nor reduces garbage: afterwards their
+  gradients are None (as torch's DDP leaves them) or zero (as the assignment's hint gives;
+  under plain SGD both give the one-process step), and every other gradient is right.
+- ``overlap`` (schedule): observed, not assumed. The broker's record of each rank's operations
+  holds marks made before ``loss.backward()``, right after it returned and after finish: the
+  first all-reduce must come before backward returned, and the number, bytes and dtype of the
+  all-reduces must match the bucketing.
 """
 
 from __future__ import annotations
 
 import copy
-import datetime
-import itertools
-import time
-from types import ModuleType
+from collections.abc import Sequence
 from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from grader.rank.context import TestContext
-from grader.rank.p2p import PeerGone
+from grader.scenarios.data_parallel import DIM, OPTIMIZERS, TiedNet, build, tensors_of
+from grader.testkit import CallResult, Event, TestRecord, World, failures, generator
+from grader.testkit.explain import blame, close, close_in_float32, difference, uniform_factor
 
-DIM, ROWS, STEPS = 8, 12, 3  # ROWS: the full batch, split evenly over 1, 2, 3 or 4 ranks
+ROWS, STEPS = 12, 3  # ROWS: the full batch, split evenly over 1, 2, 3 or 4 ranks
 TIED, TIED_ALIAS = "embed.weight", "head.weight"
 # Trainable gradients in registration order: embed.weight 512 B, hidden.weight 512 B,
 # hidden.bias 64 B, head.bias 64 B (float64). A 600-byte cap packs them greedily into 3
 # buckets in reverse registration order ([head.bias, hidden.bias], [hidden.weight],
-# [embed.weight]) and in forward order alike: exactly 3 all-reduces either way.
-BUCKETS = {"per_parameter": (0.0, 4), "few_buckets": (600 / 2**20, 3), "one_bucket": (25.0, 1)}
+# [embed.weight]) and in forward order alike: exactly 3 all-reduces either way. A 40-byte cap
+# is smaller than every gradient: a nonzero cap that no parameter fits in, one bucket each.
+BUCKETS = {
+    "per_parameter": (0.0, 4),
+    "few_buckets": (600 / 2**20, 3),
+    "one_bucket": (25.0, 1),
+    "cap_below_parameter": (40 / 2**20, 4),
+}
 RULES = {
     "per_parameter": "bucket_size_mb=0 means one bucket per trainable parameter",
     "few_buckets": "greedy packing of the 4 gradients (512, 512, 64, 64 bytes) into buckets "
     "of at most 600 bytes gives 3",
     "one_bucket": "all 1152 bytes of gradients fit in one bucket",
+    "cap_below_parameter": "a cap of 40 bytes is smaller than every gradient (the smallest "
+    "holds 64 bytes), and a parameter larger than the cap gets a bucket of its own: 4",
 }
-OPTIMIZERS = {"sgd": (torch.optim.SGD, {"lr": 0.1}), "adamw": (torch.optim.AdamW, {"lr": 0.01})}
+GRAD_BYTES = sum(q.numel() * 8 for q in TiedNet().parameters() if q.requires_grad)  # float64
+UNUSED_STEP, UNUSED = 2, ("hidden.weight", "hidden.bias")  # skipped in that iteration
+UNUSED_HINT = (
+    f"in iteration {UNUSED_STEP} the model skips its hidden layer on every rank: "
+    f"{' and '.join(UNUSED)} get no gradient and their hooks never fire, so "
+    "finish_gradient_synchronization() must launch every bucket still waiting (buckets go in "
+    "order: the later ones wait too), with zeros for the missing gradients or without them, "
+    "and leave those gradients None or zero"
+)
 
 
-class TiedNet(nn.Module):
-    """embed and head share one weight; ``frozen`` is not trained; ``scale`` is a buffer."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.embed = nn.Linear(DIM, DIM, bias=False)
-        self.frozen = nn.Linear(DIM, DIM).requires_grad_(False)
-        self.hidden = nn.Linear(DIM, DIM)
-        self.head = nn.Linear(DIM, DIM)
-        self.head.weight = self.embed.weight
-        self.register_buffer("scale", torch.rand(DIM) + 0.5)
-
-    def forward(self, x: Tensor) -> Tensor:
-        h = torch.tanh(self.embed(x) * self.scale)
-        return self.head(torch.tanh(self.hidden(self.frozen(h))))
+# -- inputs, made here from the secret seed ------------------------------------------------
 
 
-def build_net(seed: int) -> TiedNet:
-    torch.manual_seed(seed)
-    return TiedNet().double()
+def initial_state(rank: int) -> dict[str, Tensor]:
+    """Rank ``rank``'s own initial TiedNet: every rank's differs, as if seeded differently."""
+    gen = generator("data_parallel/initial", rank)
+    state = {}
+    for name, t in tensors_of(TiedNet()).items():
+        if isinstance(t, nn.Parameter):
+            state[name] = torch.randn(t.shape, generator=gen, dtype=torch.float64) / DIM**0.5
+        else:
+            state[name] = torch.rand(t.shape, generator=gen, dtype=torch.float64) + 0.5
+    return state
 
 
-def batch(step: int) -> tuple[Tensor, Tensor]:
-    generator = torch.Generator().manual_seed(500 + step)
-    x = torch.randn(ROWS, DIM, generator=generator, dtype=torch.float64)
-    return x, torch.randn(ROWS, DIM, generator=generator, dtype=torch.float64)
+def batches() -> list[tuple[Tensor, Tensor]]:
+    """The full batch (inputs, targets) of each training step."""
+    out = []
+    for step in range(1, STEPS + 1):
+        gen = generator(f"data_parallel/batch{step}")
+        x = torch.randn(ROWS, DIM, generator=gen, dtype=torch.float64)
+        out.append((x, torch.randn(ROWS, DIM, generator=gen, dtype=torch.float64)))
+    return out
 
 
-def local(t: Tensor, rank: int, p: int) -> Tensor:
-    return t.tensor_split(p)[rank]
+def slices(full: list[tuple[Tensor, Tensor]], rank: int, p: int) -> list[tuple[Tensor, Tensor]]:
+    """Rank ``rank``'s slice of each batch: the ranks split every batch evenly."""
+    return [(x.tensor_split(p)[rank].clone(), y.tensor_split(p)[rank].clone()) for x, y in full]
 
 
-def gather(ctx: TestContext, value: object) -> list[Any]:
-    """Every rank's ``value``, through a group of the grader's own (no student message in it)."""
-    timeout = datetime.timedelta(seconds=3 * ctx.test.op_timeout)
-    group = dist.new_group(backend="gloo", timeout=timeout)
-    values: list[Any] = [None] * ctx.world_size
-    try:
-        dist.all_gather_object(values, value, group=group)
-    except RuntimeError as err:
-        raise PeerGone("the grader's exchange of results", -1) from err
-    return values
+# -- comparing and explaining ----------------------------------------------------------------
 
 
-def close(got: Tensor, want: Tensor) -> bool:
-    return got.shape == want.shape and bool(((got - want).abs() <= 1e-9 * (1 + want.abs())).all())
-
-
-def difference(got: Tensor, want: Tensor) -> str:
-    got, want = got.detach(), want.detach()
-    error = (got - want).abs()
-    at = tuple(int(i) for i in torch.unravel_index(error.argmax(), error.shape))
-    return (
-        f"differs by {float(error.max()):.3g} (max abs; at {list(at)}: expected "
-        f"{float(want[at]):.6g}, got {float(got[at]):.6g})"
-    )
-
-
-def initial_mismatch(module: nn.Module, expected: nn.Module) -> str | None:
-    """This rank's first parameter or buffer that differs from rank 0's initial one, if any."""
-    want = dict(itertools.chain(expected.named_parameters(), expected.named_buffers()))
-    for name, t in itertools.chain(module.named_parameters(), module.named_buffers()):
-        if name in want and not close(t.detach(), want[name].detach()):
-            kind = "buffer" if name in dict(expected.named_buffers()) else "parameter"
-            error = float((t.detach() - want[name]).abs().max())
+def initial_mismatch(initial: dict[str, Any], expected: dict[str, Tensor]) -> str | None:
+    """The first parameter or buffer that differs from rank 0's initial one, if any."""
+    for name, want in expected.items():
+        got, kind = initial.get(name), "buffer" if name == "scale" else "parameter"
+        if close(got, want):
+            continue
+        if isinstance(got, Tensor) and got.shape == want.shape:
+            error = float((got - want).abs().max())
             return f"{kind} {name} differs from rank 0's by {error:.3g} (max abs)"
+        return f"{kind} {name} {difference(got, want)}"
     return None
 
 
-def gradient_problem(model: nn.Module, oracle: nn.Module, single: nn.Module, p: int) -> str | None:
-    """What is wrong with the gradients after synchronization, most telling mistake first.
+def grads_of(model: nn.Module) -> dict[str, Tensor | None]:
+    return {n: None if q.grad is None else q.grad.detach() for n, q in model.named_parameters()}
 
-    ``oracle`` holds the full batch's gradients, ``single`` this rank's own, unreduced ones."""
-    want = {n: q.grad for n, q in oracle.named_parameters()}
-    mine = {n: q.grad for n, q in single.named_parameters()}
-    got = {n: q.grad for n, q in model.named_parameters()}
-    for name, g in got.items():
-        if want.get(name) is None and g is not None:
+
+def gradient_problem(
+    got: dict[str, Any],
+    want: dict[str, Tensor | None],
+    mine: dict[str, Tensor | None],
+    p: int,
+    unused: Sequence[str] = (),
+) -> str | None:
+    """What is wrong with a rank's gradients after synchronization, most telling mistake first.
+
+    ``want`` holds the full batch's gradients, ``mine`` the rank's own, unreduced ones;
+    ``unused`` names the parameters no rank used in this iteration (None or zero is right)."""
+    for name, w in want.items():
+        g = got.get(name)
+        if name in unused:
+            if isinstance(g, Tensor) and bool(g.any()):
+                return (
+                    f"parameter {name} was unused in this iteration on every rank, yet its "
+                    f"gradient after synchronization is nonzero (max abs {float(g.abs().max()):.3g}"
+                    "): leave it None, or zero: no stale or uninitialised values in a bucket"
+                )
+            continue
+        if w is None and g is not None:
             return (
                 f"frozen parameter {name} (requires_grad=False) has a gradient: leave frozen "
                 "parameters out of the buckets and never give them a .grad"
             )
-        if want.get(name) is not None and g is None:
+        if w is not None and g is None:
             return f"parameter {name} has no gradient (.grad is None)"
-    names = [n for n, g in want.items() if g is not None]
-    wrong = [n for n in names if not close(got[n], want[n])]
+    grads = {n: g for n, g in want.items() if g is not None and n not in unused}
+    for name, w in grads.items():
+        if isinstance(got[name], Tensor) and got[name].dtype != w.dtype:
+            return (
+                f"parameter {name}'s gradient has dtype {str(got[name].dtype)[6:]}, the "
+                f"parameter {str(w.dtype)[6:]}: write the reduced values back into each .grad "
+                "in its own dtype"
+            )
+    wrong = [n for n, w in grads.items() if not close(got[n], w)]
     if not wrong:
         return None
-    if p > 1 and all(close(got[n], p * want[n]) for n in names):
+    factor = uniform_factor(got, grads)
+    if factor is not None and p > 1 and abs(factor - p) < 1e-6:
         return (
             f"every gradient is {p}x the one-process gradient: the gradients were summed over "
             f"the {p} ranks, not averaged (divide by the world size)"
         )
-    if p > 1 and all(close(got[n], mine[n]) for n in wrong):
+    if factor is not None:
+        return (
+            f"every gradient is {factor:.6g}x the one-process gradient (the same factor for all): "
+            f"the mean over the {p} rank{'s' * (p > 1)} is their sum divided by {p}, exactly once"
+            + (f" (these were divided by {p / factor:.6g})" if factor > 0 else "")
+        )
+    if p > 1 and all(close(got[n], mine[n]) for n in wrong):  # type: ignore[arg-type]
         return f"{wrong[0]}'s gradient is this rank's own: it was never all-reduced"
-    if wrong == [TIED] and close(got[TIED], 2 * want[TIED]):
+    if wrong == [TIED] and close(got[TIED], 2 * grads[TIED]):
         return (
             f"the tied weight {TIED} (also {TIED_ALIAS}) has 2x its gradient while the others "
             "are right: a shared parameter's gradient was reduced (or added) twice; module."
             "parameters() lists it once: hook and bucket it once"
         )
-    return f"parameter {wrong[0]}'s gradient {difference(got[wrong[0]], want[wrong[0]])}"
+    if all(close_in_float32(got[n], grads[n]) for n in wrong):
+        return (
+            f"parameter {wrong[0]}'s gradient {difference(got[wrong[0]], grads[wrong[0]])}, "
+            "within float32 rounding: the bucket is in a lower precision than the gradients "
+            "(float64): flatten each bucket in its gradients' dtype (torch.cat of the "
+            "gradients keeps it; a buffer made with torch.zeros needs dtype=)"
+        )
+    return f"parameter {wrong[0]}'s gradient {difference(got[wrong[0]], grads[wrong[0]])}"
+
+
+# -- DataParallel ----------------------------------------------------------------------------
+
+
+def check_training(world: World, optimizer: str, bucket: str, unused_step: int = 0) -> None:
+    """Train on the ranks and compare every step with the one-process oracle.
+
+    In iteration ``unused_step`` (0: none) the model skips its hidden layer, there and here.
+    """
+    p, (size_mb, _), (cls, kwargs) = world.size, BUCKETS[bucket], OPTIMIZERS[optimizer]
+    what = f"DataParallel(bucket_size_mb={size_mb:g}) with {cls.__name__} on {p} ranks"
+    states, full = [initial_state(r) for r in range(p)], batches()
+    args = [(states[r], optimizer, size_mb, slices(full, r, p), unused_step) for r in range(p)]
+    try:
+        seen = world.call(scenario="data_parallel.train", args=args, case=what).returned
+    except failures.RankFailure as err:
+        if not unused_step or isinstance(err, failures.NotImplementedYet):
+            raise
+        raise type(err)(f"{err} ({UNUSED_HINT})") from err
+    keep = "keep the wrapped model as DataParallel.module (found {})"
+    blame(what, [s["module"] and keep.format(s["module"]) for s in seen])
+    mismatches = [initial_mismatch(s["initial"], states[0]) for s in seen]
+    for bad, mismatch in enumerate(mismatches):
+        if mismatch:
+            raise AssertionError(
+                f"{what}: right after DataParallel(model), rank {bad}'s {mismatch}: __init__ "
+                "must make every rank's parameters and buffers equal to rank 0's (broadcast "
+                "them; the ranks were seeded differently)"
+            )
+    oracle = build(states[0])  # rank 0's initial model, trained on the full batch
+    optim = cls(oracle.parameters(), **kwargs)
+    for step, (x, y) in enumerate(full, start=1):
+        use_hidden = step != unused_step
+        singles = []  # each rank's local gradient, to recognise "never reduced"
+        for r in range(p):
+            single = copy.deepcopy(oracle)
+            ((x_r, y_r),) = slices([(x, y)], r, p)
+            F.mse_loss(single(x_r, use_hidden), y_r).backward()
+            singles.append(grads_of(single))
+        F.mse_loss(oracle(x, use_hidden), y).backward()
+        want = grads_of(oracle)
+        unused = () if use_hidden else UNUSED
+        problems = [
+            gradient_problem(s["grads"][step - 1], want, singles[r], p, unused)
+            for r, s in enumerate(seen)
+        ]
+        if not use_hidden:
+            problems = [m and f"{m} ({UNUSED_HINT})" for m in problems]
+        elif step > 1:
+            problems = [
+                f"{m}; step {step - 1} was right: is the per-iteration state reset after each step?"
+                if m and m.startswith(("parameter", f"{TIED}'s"))
+                else m
+                for m in problems
+            ]
+        blame(f"{what}, step {step}, after synchronization", problems)
+        optim.step()
+        params = {n: q.detach() for n, q in oracle.named_parameters()}
+        blame(
+            f"{what}, after step {step}",
+            [param_problem(s["params"][step - 1], params) for s in seen],
+        )
+        optim.zero_grad()
 
 
 @pytest.mark.graded(target="data_parallel.DataParallel", kind="correctness")
 @pytest.mark.parametrize("bucket", list(BUCKETS))
 @pytest.mark.parametrize("optimizer", list(OPTIMIZERS))
-def test_data_parallel_training(
-    ctx: TestContext, student: ModuleType, rank: int, world_size: int, optimizer: str, bucket: str
-) -> None:
-    p, (size_mb, _), (cls, kwargs) = world_size, BUCKETS[bucket], OPTIMIZERS[optimizer]
-    what = f"DataParallel(bucket_size_mb={size_mb:g}) with {cls.__name__} on {p} ranks"
-    oracle = build_net(seed=1000)  # rank 0's initial model, trained on the full batch
-    dp = student.DataParallel(build_net(seed=1000 + rank), bucket_size_mb=size_mb)
-    model = getattr(dp, "module", None)
-    assert isinstance(model, nn.Module), f"{what}: keep the wrapped model as DataParallel.module"
-    mismatches = gather(ctx, initial_mismatch(model, oracle))
-    bad = next((r for r, m in enumerate(mismatches) if m), None)
-    assert bad is None, (
-        f"{what}: right after DataParallel(model), rank {bad}'s {mismatches[bad]}: __init__ "
-        "must make every rank's parameters and buffers equal to rank 0's (broadcast them; the "
-        "ranks were seeded differently)"
-    )
-    theirs, mine = cls(oracle.parameters(), **kwargs), cls(model.parameters(), **kwargs)
-    for step in range(1, STEPS + 1):
-        x, y = batch(step)
-        single = copy.deepcopy(oracle)  # this rank's local gradient, to recognise "not reduced"
-        F.mse_loss(single(local(x, rank, p)), local(y, rank, p)).backward()
-        F.mse_loss(oracle(x), y).backward()
-        F.mse_loss(dp(local(x, rank, p)), local(y, rank, p)).backward()
-        dp.finish_gradient_synchronization()
-        problem = gradient_problem(model, oracle, single, p)
-        if problem and step > 1 and problem.startswith(("parameter", f"{TIED}'s")):
-            problem += "; step 1 was right: is the per-iteration state reset after each step?"
-        assert problem is None, f"{what}, step {step}, after synchronization: {problem}"
-        theirs.step()
-        mine.step()
-        want = dict(oracle.named_parameters())
-        for name, q in model.named_parameters():
-            assert close(q.detach(), want[name].detach()), (
-                f"{what}: after step {step}, parameter {name} {difference(q, want[name])}"
-            )
-        theirs.zero_grad()
-        mine.zero_grad()
+def test_data_parallel_training(world: World, optimizer: str, bucket: str) -> None:
+    check_training(world, optimizer, bucket)
+
+
+@pytest.mark.graded(target="data_parallel.DataParallel", kind="correctness")
+@pytest.mark.parametrize("bucket", list(BUCKETS))
+def test_unused_parameter(world: World, bucket: str) -> None:
+    """Plain SGD: a step with a zero gradient and a step skipping a None one agree, so both
+    answers of right DDP for a globally unused parameter pass; AdamW would tell them apart."""
+    check_training(world, "sgd", bucket, unused_step=UNUSED_STEP)
+
+
+def param_problem(got: dict[str, Any], want: dict[str, Tensor]) -> str | None:
+    """The first of a rank's parameters that differs from the oracle's after a step."""
+    name = next((n for n, w in want.items() if not close(got.get(n), w)), None)
+    return name and f"parameter {name} {difference(got.get(name), want[name])}"
+
+
+Window = dict[str, list[Event]]
+
+
+def all_reduces(out: CallResult, rank: int) -> list[Window]:
+    """Per iteration, the broker's events of each all-reduce ``during`` backward and ``after``
+    it returned (until finish returned), told apart by the scenario's marks."""
+    iterations: list[Window] = []
+    window = ""
+    for event in out.traffic.per_rank[rank]:
+        if event.op == "mark":
+            if event.at == "backward":
+                iterations.append({"during": [], "after": []})
+            window = {"backward": "during", "backward returned": "after"}.get(event.at, "")
+        elif event.op == "all_reduce" and window and iterations:
+            iterations[-1][window].append(event)
+    return iterations
+
+
+def overlap_problem(iterations: list[Window], i: int, bucket: str) -> str | None:
+    """The first thing wrong with iteration ``i``'s all-reduces on one rank."""
+    reduces = iterations[i]["during"] + iterations[i]["after"]
+    expected, carried = BUCKETS[bucket][1], sum(e.nbytes for e in reduces)
+    if not reduces:
+        made = len(iterations[0]["during"] + iterations[0]["after"])
+        again = f" (iteration 1 made {made}: reset the per-iteration state)" * (i > 0)
+        return f"no all-reduce was called during backward and finish{again}"
+    # A lower precision first: it also changes the bytes, and the count if buckets are packed
+    # by the flattened size, and it is what the student must fix.
+    lower = sorted({e.dtype for e in reduces} - {"float64", ""})
+    if lower:
+        return (
+            f"the all-reduces carried {carried} bytes of {lower[0]}, the trainable gradients "
+            f"hold {GRAD_BYTES} bytes of float64: the bucket is in a lower precision than the "
+            "gradients: flatten each bucket in its gradients' dtype (torch.cat of the gradients "
+            "keeps it; a buffer made with torch.zeros needs dtype=)"
+        )
+    if not iterations[i]["during"]:
+        return (
+            "the first gradient all-reduce was called after loss.backward() returned, so no "
+            "communication overlapped the backward pass: launch each bucket's all-reduce "
+            "(async_op=True) from a gradient hook as soon as all its gradients are ready, and "
+            "only wait for it in finish_gradient_synchronization()"
+        )
+    if len(reduces) != expected:
+        return (
+            f"{len(reduces)} gradient all-reduces in one step, expected {expected}: "
+            f"{RULES[bucket]} "
+            "(the tied weight counts once, the frozen layer not at all)"
+        )
+    if carried != GRAD_BYTES:
+        return (
+            f"the all-reduces carried {carried} bytes, the trainable gradients hold "
+            f"{GRAD_BYTES}: reduce each gradient exactly once (none for frozen parameters)"
+        )
+    return None
 
 
 @pytest.mark.graded(target="data_parallel.DataParallel", kind="schedule")
 @pytest.mark.parametrize("bucket", list(BUCKETS))
-def test_overlap(
-    ctx: TestContext, student: ModuleType, rank: int, world_size: int, bucket: str
-) -> None:
-    (size_mb, expected), p = BUCKETS[bucket], world_size
-    dp = student.DataParallel(build_net(seed=1000), bucket_size_mb=size_mb)
-    trainable = [q for q in dp.module.parameters() if q.requires_grad]
-    grad_bytes = sum(q.numel() * q.element_size() for q in trainable)
-    counts: list[int] = []
-    for iteration in (1, 2):  # the second shows whether the per-iteration state is reset
-        x, y = batch(iteration)
-        loss = F.mse_loss(dp(local(x, rank, p)), local(y, rank, p))
-        with ctx.recording() as log:
-            loss.backward()
-            returned = time.perf_counter()
-            dp.finish_gradient_synchronization()
-        reduces = log.collectives("all_reduce", "allreduce")
-        counts.append(len(reduces))
-        lead = returned - reduces[0].time if reduces else 0.0
-        ctx.extra.update(
-            all_reduces=counts,
-            expected_all_reduces=expected,
-            all_reduce_bytes=[e.nbytes for e in reduces],
-            first_all_reduce_before_backward_returned_ms=round(1e3 * lead, 3),
-        )
-        where = f"DataParallel(bucket_size_mb={size_mb:g}) on {p} ranks, iteration {iteration}"
-        again = f" (iteration 1 made {counts[0]}: reset the per-iteration state)" * (iteration > 1)
-        assert reduces, f"{where}: no all-reduce was called during backward and finish{again}"
-        assert lead > 0, (
-            f"{where}: the first gradient all-reduce was called {-1e3 * lead:.2f} ms after "
-            "loss.backward() returned, so no communication overlapped the backward pass: launch "
-            "each bucket's all-reduce (async_op=True) from a gradient hook as soon as all its "
-            "gradients are ready, and only wait for it in finish_gradient_synchronization()"
-        )
-        assert len(reduces) == expected, (
-            f"{where}: {len(reduces)} gradient all-reduces in one step, expected {expected}: "
-            f"{RULES[bucket]} (the tied weight counts once, the frozen layer not at all)"
-        )
-        total = sum(e.nbytes for e in reduces)
-        assert total == grad_bytes, (
-            f"{where}: the all-reduces carried {total} bytes, the trainable gradients hold "
-            f"{grad_bytes}: reduce each gradient exactly once (none for frozen parameters)"
-        )
-
-
-SHAPES = [(4, 8), (8,), (6, 8), (20,), (6, 6), (24,), (5, 8)]  # 7 parameters, uneven sizes
-SHARDED = {  # optimizer, its kwargs, the second param group's own hyperparameters
-    "sgd_momentum": (torch.optim.SGD, dict(lr=0.1, momentum=0.9), dict(lr=0.05, weight_decay=0.1)),
-    "adamw": (torch.optim.AdamW, dict(lr=0.01, weight_decay=0.1), dict(lr=0.03, betas=(0.8, 0.9))),
-}
-
-
-def param_groups(second: dict[str, Any]) -> tuple[list[nn.Parameter], list[dict[str, Any]]]:
-    generator = torch.Generator().manual_seed(77)
-    params = [nn.Parameter(torch.randn(s, generator=generator).double()) for s in SHAPES]
-    return params, [{"params": params[:4]}, {"params": params[4:], **second}]
-
-
-def set_grads(params: list[nn.Parameter], step: int) -> None:
-    generator = torch.Generator().manual_seed(900 + step)
-    for i, q in enumerate(params):
-        g = torch.randn(q.shape, generator=generator, dtype=torch.float64)
-        q.grad = None if (step == 2 and i == 3) else g  # at step 2, parameter 3 has no gradient
-
-
-def state_bytes(optimizer: torch.optim.Optimizer) -> list[int]:
-    """Bytes of state per entry of ``optimizer.state`` and of the state of every optimizer it
-    holds as an attribute (alone, or in a list, tuple or dict)."""
-    found = [optimizer]
-    for value in vars(optimizer).values():
-        items = list(value.values()) if isinstance(value, dict) else value
-        for item in items if isinstance(items, (list, tuple)) else [items]:
-            if isinstance(item, torch.optim.Optimizer) and item not in found:
-                found.append(item)
-    seen: set[int] = set()
-    per_entry = [0]
-    for o in found:
-        for entry in o.state.values():
-            fresh = [t for t in dict(entry).values() if isinstance(t, Tensor) and id(t) not in seen]
-            seen.update(id(t) for t in fresh)
-            per_entry.append(sum(t.nbytes for t in fresh))
-    return per_entry
-
-
-def run_sharded(student: ModuleType, name: str, p: int) -> tuple[Any, torch.optim.Optimizer]:
-    """Four steps of the student's ShardedOptimizer and of the unsharded one; both returned."""
-    cls, kwargs, second = SHARDED[name]
-    what = f"ShardedOptimizer({cls.__name__}) on {p} ranks"
-    (mine, groups), (theirs, full) = param_groups(second), param_groups(second)
-    defaults, plain = param_groups({})  # to recognise the second group's settings ignored
-    opt = student.ShardedOptimizer(groups[:1], cls, **kwargs)
-    opt.add_param_group(groups[1])
-    oracle = cls(full, **kwargs)
-    ignoring = cls(plain, **kwargs)
-    for step in range(1, 5):
-        for params in (mine, theirs, defaults):
-            set_grads(params, step)
-        before = [q.detach().clone() for q in mine]
-        for optimizer in (opt, oracle, ignoring):
-            optimizer.step()
-        for i, (q, want) in enumerate(zip(mine, theirs, strict=True)):
-            if close(q.detach(), want.detach()):
-                continue
-            hint = ""
-            if torch.equal(q.detach(), before[i]):
-                hint = ": it was not updated on this rank (broadcast it from its owner)"
-            elif close(q.detach(), defaults[i].detach()):
-                hint = f": updated with {kwargs}, not its param group's own {second}"
-            where = f"{what}: after step {step}, parameter {i} (group {int(i >= 4)})"
-            raise AssertionError(f"{where} {difference(q, want)}{hint}")
-        opt.zero_grad()
-        kept = [i for i, q in enumerate(mine) if q.grad is not None and bool(q.grad.any())]
-        assert not kept, (
-            f"{what}: after zero_grad(), parameter {kept[0]} still has a gradient: "
-            "zero_grad() must clear every parameter's gradient, not only this rank's shard"
-        )
-        oracle.zero_grad()
-        ignoring.zero_grad()
-    return opt, oracle
-
-
-@pytest.mark.graded(target="data_parallel.ShardedOptimizer", kind="correctness")
-@pytest.mark.parametrize("optimizer", list(SHARDED))
-def test_sharded_optimizer(student: ModuleType, world_size: int, optimizer: str) -> None:
-    run_sharded(student, optimizer, world_size)
-
-
-@pytest.mark.graded(target="data_parallel.ShardedOptimizer", kind="correctness")
-def test_sharded_optimizer_state(
-    ctx: TestContext, student: ModuleType, rank: int, world_size: int
-) -> None:
-    opt, oracle = run_sharded(student, "adamw", world_size)
-    per_param, mine = state_bytes(oracle), sum(state_bytes(opt))
-    total, per_rank = sum(per_param), gather(ctx, mine)
-    # Owners chosen greedily by size never exceed total/p + one parameter's state; 64 bytes
-    # of slack for AdamW's scalar step counters (4 bytes a parameter), which ignore the size.
-    allowed = total // world_size + max(per_param) + 64
-    ctx.extra.update(state_bytes_per_rank=per_rank, unsharded_state_bytes=total)
-    ctx.extra["allowed_bytes_per_rank"] = allowed
-    what = f"ShardedOptimizer(AdamW) on {world_size} ranks"
-    assert mine <= allowed, (
-        f"{what}: rank {rank} holds {mine} bytes of optimizer state, the unsharded AdamW "
-        f"{total}: each rank should keep state only for its own shard, about 1/{world_size} "
-        f"(at most {allowed} bytes here)"
+def test_overlap(world: World, record: TestRecord, bucket: str) -> None:
+    (size_mb, expected), p = BUCKETS[bucket], world.size
+    full = batches()[:2]  # the second iteration shows whether the per-iteration state is reset
+    args = [(initial_state(0), size_mb, slices(full, r, p)) for r in range(p)]
+    where = f"DataParallel(bucket_size_mb={size_mb:g}) on {p} ranks"
+    out = world.call(scenario="data_parallel.overlap", args=args, case=where)
+    seen = [all_reduces(out, r) for r in range(p)]
+    blame(
+        where, [None if len(s) == len(full) else "the scenario's marks are missing" for s in seen]
     )
-    assert sum(per_rank) >= total, (
-        f"{what}: found {sum(per_rank)} bytes of optimizer state over all ranks, the unsharded "
-        f"AdamW holds {total}: keep the state in the .state of a torch.optim optimizer held as "
-        "an attribute (e.g. self.local_optimizer)"
+    record.details.update(
+        all_reduces=[len(i["during"]) + len(i["after"]) for i in seen[0]],
+        all_reduces_before_backward_returned=[len(i["during"]) for i in seen[0]],
+        expected_all_reduces=expected,
+        all_reduce_bytes=[e.nbytes for e in seen[0][-1]["during"] + seen[0][-1]["after"]],
+        all_reduce_dtypes=sorted({e.dtype for i in seen[0] for e in i["during"] + i["after"]}),
     )
+    for i in range(len(full)):
+        blame(f"{where}, iteration {i + 1}", [overlap_problem(s, i, bucket) for s in seen])

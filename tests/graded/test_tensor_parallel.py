@@ -1,8 +1,11 @@
 """Graded tests of ``assignments/tensor_parallel.py``: Megatron-style tensor parallelism.
 
-Every rank builds the same full ``nn.Linear`` layers from a fixed seed, shards them with the
-submission's ``from_linear``/``from_linears`` and compares with the full layers run on one
-process, in float32 within the rounding bound of ``grader.testkit.check_close``:
+The full ``nn.Linear`` layers, their inputs and upstream gradients are made here from the
+secret seed and sent to every rank; each rank shards them with the submission's
+``from_linear``/``from_linears``, runs one forward and backward (the scenarios in
+``grader/scenarios/tensor_parallel.py``) and sends back what it got, which is compared
+with the full layers run here in float64, within the float32 rounding bound of
+``check_close``:
 
 - ``column_parallel_linear``, ``row_parallel_linear``: the shard each rank holds (rows,
   resp. columns ``[r*n/p, (r+1)*n/p)`` of the weight), the output, and the gradients of
@@ -11,9 +14,9 @@ process, in float32 within the rounding bound of ``grader.testkit.check_close``:
 - ``region_function``: each of the four autograd functions, forward and backward, against
   its definition, with a different non-contiguous input and upstream gradient on every rank.
 - ``parallel_mlp``: ``ParallelMLP.from_linears(fc1, fc2)`` against ``fc2(gelu(fc1(x)))``.
-- ``parallel_mlp_communication`` (schedule): the communication recorded around the MLP's
-  forward and around its backward is exactly one all-reduce each, and nothing else: that is
-  what the column-then-row split is for.
+- ``parallel_mlp_communication``: the broker's record of each rank's operations during the
+  MLP's forward and during its backward is exactly one all-reduce each, and nothing else:
+  that is what the column-then-row split is for.
 - ``indivisible_dimension``: a split dimension that p does not divide raises ``ValueError``
   naming it (at p = 1 every size divides, and construction must simply work).
 
@@ -23,18 +26,17 @@ rank, a gradient that was not all-reduced, a gradient slice that was not all-gat
 
 from __future__ import annotations
 
-import copy
 from collections import Counter
-from types import ModuleType
+from collections.abc import Callable
 from typing import Any
 
 import pytest
 import torch
 import torch.nn.functional as F
-from torch import Tensor, nn
+from torch import Tensor
 
-from grader.rank.context import TestContext
-from grader.testkit import check_close, check_unchanged, rank_tensor
+from grader.scenarios.tensor_parallel import linear
+from grader.testkit import CallResult, TestRecord, World, check_close, check_unchanged, rank_tensor
 
 IN, OUT, FFN = 8, 12, 16  # divisible by 1, 2 and 4
 SHAPE = (2, 3)  # leading dimensions of every activation: 6 rows
@@ -43,9 +45,35 @@ Pair = tuple[Tensor, Tensor]  # an expected value and the magnitude its rounding
 Why = dict[str, Tensor]  # what a tensor would hold after each usual mistake, by its hint
 
 
-def full_linear(seed: int, n_in: int, n_out: int) -> nn.Linear:
-    torch.manual_seed(seed)
-    return nn.Linear(n_in, n_out)
+def require(condition: object, message: str) -> None:
+    """Fail with ``message`` alone: what the student reads, without pytest's own rendering."""
+    if not condition:
+        raise AssertionError(message)
+
+
+def on_every_rank(p: int, check: Callable[[int], None]) -> None:
+    """Run ``check(r)`` for every rank; fail with the lowest rank's first problem.
+
+    The ranks that failed with the very same message are named after it, so a student
+    sees at once whether a mistake is on one rank or everywhere.
+    """
+    problems: dict[int, str] = {}
+    for r in range(p):
+        try:
+            check(r)
+        except AssertionError as err:
+            problems[r] = str(err)
+    if problems:
+        first, text = min(problems.items())
+        same = [r for r, t in problems.items() if r != first and t == text]
+        also = f" (the same on rank{'s' * (len(same) > 1)} {', '.join(map(str, same))})"
+        raise AssertionError(f"rank {first}: {text}" + (also if same else ""))
+
+
+def weights(key: str, n_in: int, n_out: int) -> tuple[Tensor, Tensor]:
+    """A full layer's weight and bias, drawn from the secret seed at nn.Linear's scale."""
+    weight = rank_tensor(f"{key}/weight", 0, (n_out, n_in), torch.float32) * n_in**-0.5
+    return weight, rank_tensor(f"{key}/bias", 0, (n_out,), torch.float32) * 0.5
 
 
 def shared(key: str, features: int) -> Tensor:
@@ -57,36 +85,37 @@ def block(p: int, rank: int, n: int) -> slice:
     return slice(rank * n // p, (rank + 1) * n // p)
 
 
-def check_shard(layer: nn.Module, full: nn.Linear, rows: slice, cols: slice, what: str) -> None:
+def check_shard(seen: dict, full: dict[str, Tensor], rows: slice, cols: slice, what: str) -> None:
     """The contract's shard: ``weight[rows, cols]``, and the bias's ``rows`` (all if replicated)."""
-    shard = {"weight": full.weight.detach()[rows, cols], "bias": full.bias.detach()[rows]}
+    shard = {"weight": full["weight"][rows, cols], "bias": full["bias"][rows]}
     for name, want in shard.items():
-        got = getattr(layer, name, None)
-        assert isinstance(got, Tensor), f"{what}: the layer has no .{name} tensor"
-        full_shape = getattr(full, name).shape
-        whole = " (the full tensor, not this rank's shard)" if got.shape == full_shape else ""
-        assert got.shape == want.shape, (
-            f"{what}: .{name} has shape {tuple(got.shape)}, expected {tuple(want.shape)}{whole}"
+        got = seen[name]
+        require(isinstance(got, Tensor), f"{what}: the layer has no .{name} tensor")
+        whole = " (the full tensor, not this rank's shard)" if got.shape == full[name].shape else ""
+        require(
+            got.shape == want.shape,
+            f"{what}: .{name} has shape {tuple(got.shape)}, expected {tuple(want.shape)}{whole}",
         )
         part = "columns" if name == "weight" and cols != ALL else "rows"
         holds = f"{part} [r*n/p, (r+1)*n/p) of it"
-        assert torch.equal(got.detach(), want), (
+        require(
+            torch.equal(got, want),
             f"{what}: .{name} is not this rank's shard of the full layer's {name}: rank r "
-            f"holds {'the full bias' if name == 'bias' and rows == ALL else holds}"
+            f"holds {'the full bias' if name == 'bias' and rows == ALL else holds}",
         )
 
 
-def full_run(full: nn.Linear, x: Tensor, grad: Tensor) -> dict[str, Pair]:
-    """The full layer's output and gradients, each with the magnitude its rounding scales with."""
-    layer, x = copy.deepcopy(full), x.clone().requires_grad_()
+def full_run(weight: Tensor, bias: Tensor, x: Tensor, grad: Tensor) -> dict[str, Pair]:
+    """The full layer's output and gradients in float64, with the magnitudes of their rounding."""
+    layer, x = linear(weight.double(), bias.double()), x.double().requires_grad_()
     y = layer(x)
-    y.backward(grad)
-    w, g2, x2 = layer.weight.detach().abs(), grad.abs().reshape(-1, grad.shape[-1]), x.detach()
+    y.backward(grad.double())
+    w, g2, x2 = weight.double().abs(), grad.double().abs().flatten(0, -2), x.detach().abs()
     return {
-        "output": (y.detach(), x2.abs() @ w.T + layer.bias.detach().abs()),
-        "input": (x.grad, grad.abs() @ w),
-        "weight": (layer.weight.grad, g2.T @ x2.abs().reshape(-1, x2.shape[-1])),
-        "bias": (layer.bias.grad, g2.sum(0)),
+        "output": (y.detach().float(), x2 @ w.T + bias.double().abs()),
+        "input": (x.grad.float(), grad.double().abs() @ w),
+        "weight": (layer.weight.grad.float(), g2.T @ x2.flatten(0, -2)),
+        "bias": (layer.bias.grad.float(), g2.sum(0)),
     }
 
 
@@ -94,81 +123,101 @@ def expect(
     got: Tensor | None, pair: Pair, index: Any, what: str, terms: int, why: Why | None = None
 ) -> None:
     """``got`` equals ``pair[0][index]`` within the rounding bound of magnitude ``pair[1]``."""
-    assert got is not None, f"{what} is missing (.grad is None)"
+    require(got is not None, f"{what} is missing (.grad is None)")
     explanations = {reason: value[index] for reason, value in (why or {}).items()}
     want, magnitude = pair[0][index], pair[1][index]
     check_close(got, want, what, magnitude=magnitude, terms=terms, explanations=explanations)
 
 
-def shard_of(student: ModuleType, layer: str, full: nn.Linear, what: str, **flag: bool) -> Any:
-    """``layer.from_linear(full, **flag)``, which must leave ``full`` as it was."""
-    before = full.weight.detach().clone()
-    sharded = getattr(student, layer).from_linear(full, **flag)
-    check_unchanged(full.weight, before, f"{what}: from_linear's argument linear.weight")
-    return sharded
+def output_of(seen: dict, what: str) -> Tensor:
+    output = seen.get("output")
+    require(output is not None, f"{what}: forward returned a {seen['output_type']}, not a tensor")
+    return output
+
+
+def check_layer_start(
+    seen: dict, full: dict[str, Tensor], rows: slice, cols: slice, what: str
+) -> None:
+    """``from_linear`` left its argument as it was, and kept this rank's shard of it."""
+    check_unchanged(seen["linear_weight"], full["weight"], f"{what}: from_linear's argument weight")
+    check_shard(seen, full, rows, cols, what)
 
 
 @pytest.mark.graded(target="tensor_parallel.ColumnParallelLinear", kind="correctness")
-@pytest.mark.parametrize("gather", [False, True], ids=["gather_output=False", "gather_output=True"])
-def test_column_parallel_linear(
-    student: ModuleType, rank: int, world_size: int, gather: bool
-) -> None:
-    p, rows = world_size, block(world_size, rank, OUT)
+@pytest.mark.parametrize("setting", ["gather_output=False", "gather_output=True"])
+def test_column_parallel_linear(world: World, setting: str) -> None:
+    p, gather = world.size, setting.endswith("=True")  # the setting names the test
     what = f"ColumnParallelLinear(gather_output={gather}) on {p} ranks"
-    full = full_linear(11, IN, OUT)
-    layer = shard_of(student, "ColumnParallelLinear", full, what, gather_output=gather)
-    check_shard(layer, full, rows, ALL, what)
+    weight, bias = weights("col", IN, OUT)
     x, grad = shared("col/x", IN), shared("col/grad", OUT)
-    run, out = full_run(full, x, grad), (..., ALL if gather else rows)
-    y = layer(x := x.clone().requires_grad_())
-    expect(y, run["output"], out, f"{what}: output", IN + 1)
-    y.backward(grad[out])
+    run = full_run(weight, bias, x, grad)
+    outs = [(..., ALL if gather else block(p, r, OUT)) for r in range(p)]
+    args = [(weight, bias, x, grad[outs[r]].clone(), gather) for r in range(p)]
+    out = world.call(
+        scenario="tensor_parallel.column_forward_backward",
+        args=args,
+        case=setting,
+    )
     fix = "copy_to_parallel_region must all-reduce the input's gradient in backward"
-    why = {
-        f"this rank's partial sum only: {fix}": grad[..., rows] @ full.weight.detach()[rows],
-        f"{p}x the expected: {fix} once": p * run["input"][0],
-    }
-    expect(x.grad, run["input"], ALL, f"{what}: the input's gradient", OUT, why)
-    expect(layer.weight.grad, run["weight"], rows, f"{what}: weight gradient", 6)
-    expect(layer.bias.grad, run["bias"], rows, f"{what}: bias gradient", 6)
+
+    def check(r: int) -> None:
+        seen, rows = out.returned[r], block(p, r, OUT)
+        check_layer_start(seen, {"weight": weight, "bias": bias}, rows, ALL, what)
+        expect(output_of(seen, what), run["output"], outs[r], f"{what}: output", IN + 1)
+        why = {
+            f"this rank's partial sum only: {fix}": grad[..., rows].double()
+            @ weight[rows].double(),
+            f"{p}x the expected: {fix} once": p * run["input"][0],
+        }
+        expect(seen["input_grad"], run["input"], ALL, f"{what}: the input's gradient", OUT, why)
+        expect(seen["weight_grad"], run["weight"], rows, f"{what}: weight gradient", 6)
+        expect(seen["bias_grad"], run["bias"], rows, f"{what}: bias gradient", 6)
+
+    on_every_rank(p, check)
 
 
 @pytest.mark.graded(target="tensor_parallel.RowParallelLinear", kind="correctness")
-@pytest.mark.parametrize(
-    "parallel", [True, False], ids=["input_is_parallel=True", "input_is_parallel=False"]
-)
-def test_row_parallel_linear(
-    student: ModuleType, rank: int, world_size: int, parallel: bool
-) -> None:
-    p, cols = world_size, block(world_size, rank, IN)
+@pytest.mark.parametrize("setting", ["input_is_parallel=True", "input_is_parallel=False"])
+def test_row_parallel_linear(world: World, setting: str) -> None:
+    p, parallel = world.size, setting.endswith("=True")  # the setting names the test
     what = f"RowParallelLinear(input_is_parallel={parallel}) on {p} ranks"
-    full = full_linear(12, IN, OUT)
-    layer = shard_of(student, "RowParallelLinear", full, what, input_is_parallel=parallel)
-    check_shard(layer, full, ALL, cols, what)
+    weight, bias = weights("row", IN, OUT)
     x_full, grad = shared("row/x", IN), shared("row/grad", OUT)
-    run, weight, bias = full_run(full, x_full, grad), full.weight.detach(), full.bias.detach()
-    y = layer(x := (x_full[..., cols] if parallel else x_full).clone().requires_grad_())
-    why = {
-        "the bias is added on every rank before the reduction: the output is off by (p-1) x "
-        f"bias = {p - 1} x bias; add it once, after the all-reduce": run["output"][0]
-        + (p - 1) * bias,
-        "this rank's partial product only: reduce_from_parallel_region must all-reduce the "
-        "partial products in forward": x_full[..., cols] @ weight[:, cols].T + bias,
-    }
-    expect(y, run["output"], ALL, f"{what}: output", IN + 1, why)
-    y.backward(grad)
-    only_mine = torch.zeros_like(x_full)
-    only_mine[..., cols] = run["input"][0][..., cols]
-    why = {
-        "only this rank's slice, zeros elsewhere: scatter_to_parallel_region must all-gather "
-        "the gradient in backward": only_mine,
-        f"{p}x the expected: reduce_from_parallel_region's backward must be the identity": p
-        * run["input"][0],
-    }
-    index = (..., cols if parallel else ALL)
-    expect(x.grad, run["input"], index, f"{what}: the input's gradient", OUT, why)
-    expect(layer.weight.grad, run["weight"], (ALL, cols), f"{what}: weight gradient", 6)
-    expect(layer.bias.grad, run["bias"], ALL, f"{what}: bias gradient", 6)
+    run = full_run(weight, bias, x_full, grad)
+    cols = [block(p, r, IN) for r in range(p)]
+    xs = [(x_full[..., cols[r]] if parallel else x_full).clone() for r in range(p)]
+    out = world.call(
+        scenario="tensor_parallel.row_forward_backward",
+        args=[(weight, bias, xs[r], grad, parallel) for r in range(p)],
+        case=setting,
+    )
+    w64, b64, x64 = weight.double(), bias.double(), x_full.double()
+
+    def check(r: int) -> None:
+        seen, mine = out.returned[r], cols[r]
+        check_layer_start(seen, {"weight": weight, "bias": bias}, ALL, mine, what)
+        why = {
+            "the bias is added on every rank before the reduction: the output is off by (p-1) x "
+            f"bias = {p - 1} x bias; add it once, after the all-reduce": run["output"][0]
+            + (p - 1) * b64,
+            "this rank's partial product only: reduce_from_parallel_region must all-reduce the "
+            "partial products in forward": x64[..., mine] @ w64[:, mine].T + b64,
+        }
+        expect(output_of(seen, what), run["output"], ALL, f"{what}: output", IN + 1, why)
+        only_mine = torch.zeros_like(x64)
+        only_mine[..., mine] = run["input"][0][..., mine].double()
+        why = {
+            "only this rank's slice, zeros elsewhere: scatter_to_parallel_region must "
+            "all-gather the gradient in backward": only_mine,
+            f"{p}x the expected: reduce_from_parallel_region's backward must be the identity": p
+            * run["input"][0],
+        }
+        index = (..., mine if parallel else ALL)
+        expect(seen["input_grad"], run["input"], index, f"{what}: the input's gradient", OUT, why)
+        expect(seen["weight_grad"], run["weight"], (ALL, mine), f"{what}: weight gradient", 6)
+        expect(seen["bias_grad"], run["bias"], ALL, f"{what}: bias gradient", 6)
+
+    on_every_rank(p, check)
 
 
 FUNCTIONS = [f"{verb}_parallel_region" for verb in ("copy_to", "reduce_from", "gather_from")]
@@ -180,145 +229,195 @@ def region_definition(
 ) -> tuple[Pair, Why, Pair, Why]:
     """Output and input gradient by the definition (with magnitudes), and the usual mistakes."""
     mine = slice(rank * n, (rank + 1) * n)
+    xs, grads = [t.double() for t in xs], [t.double() for t in grads]
     x_sum, x_mag = sum(xs), sum(t.abs() for t in xs)
     g_sum, g_mag = sum(grads), sum(t.abs() for t in grads)
     x, g = xs[rank], grads[rank]
+
+    def pair(value: Tensor, magnitude: Tensor) -> Pair:
+        return value.float(), magnitude
+
     if function == "copy_to_parallel_region":
         y_why = {"it is the sum over ranks: the forward is the identity": x_sum}
         g_why = {"it is this rank's own gradient: the backward all-reduces it": g}
-        return (x, x.abs()), y_why, (g_sum, g_mag), g_why
+        return pair(x, x.abs()), y_why, pair(g_sum, g_mag), g_why
     if function == "reduce_from_parallel_region":
         y_why = {"it is this rank's input: the forward all-reduces it": x}
         g_why = {"it is the sum over ranks: the backward is the identity": g_sum}
-        return (x_sum, x_mag), y_why, (g, g.abs()), g_why
+        return pair(x_sum, x_mag), y_why, pair(g, g.abs()), g_why
     if function == "gather_from_parallel_region":
         y = torch.cat(xs, -1)
-        return (y, y.abs()), {}, (g[:, mine], g[:, mine].abs()), {}
-    spread = torch.zeros(2, n * len(xs))
+        return pair(y, y.abs()), {}, pair(g[:, mine], g[:, mine].abs()), {}
+    spread = torch.zeros(2, n * len(xs), dtype=torch.float64)
     spread[:, mine] = g
     g_all = torch.cat(grads, -1)
     g_why = {"only this rank's slice, zeros elsewhere: the backward all-gathers": spread}
-    return (x[:, mine], x[:, mine].abs()), {}, (g_all, g_all.abs()), g_why
+    return pair(x[:, mine], x[:, mine].abs()), {}, pair(g_all, g_all.abs()), g_why
 
 
 @pytest.mark.graded(target="tensor_parallel.{function}", kind="correctness")
 @pytest.mark.parametrize("function", FUNCTIONS)
-def test_region_function(student: ModuleType, rank: int, world_size: int, function: str) -> None:
-    p, n, what = world_size, 3, f"{function} on {world_size} ranks"
+def test_region_function(world: World, function: str) -> None:
+    p, n, what = world.size, 3, f"{function} on {world.size} ranks"
     width = n * p if function.startswith("scatter") else n
+    # Every rank's input differs, and is every other element of its storage.
     xs = [rank_tensor(function, r, (2, width), torch.float32, contiguous=False) for r in range(p)]
-    x = rank_tensor(function, rank, (2, width), torch.float32, contiguous=False)
-    x.requires_grad_()  # a leaf equal to xs[rank], every other element of its storage
-    y = getattr(student, function)(x)
-    check_unchanged(x, xs[rank], f"{what}: its input x")
     shape = (2, n * p) if function.startswith("gather") else (2, n)
     grads = [rank_tensor(function + "/grad", r, shape, torch.float32) for r in range(p)]
-    y_want, y_why, g_want, g_why = region_definition(function, xs, grads, rank, n)
-    expect(y, y_want, ALL, f"{what}, forward: output", p, y_why)
-    y.backward(grads[rank])
-    expect(x.grad, g_want, ALL, f"{what}, backward: the input's gradient", p, g_why)
+    args = [(function, xs[r], grads[r]) for r in range(p)]
+    out = world.call(scenario="tensor_parallel.region_forward_backward", args=args, case=function)
+
+    def check(r: int) -> None:
+        seen = out.returned[r]
+        check_unchanged(out.args[r][1], xs[r], f"{what}: its input x")
+        y_want, y_why, g_want, g_why = region_definition(function, xs, grads, r, n)
+        expect(output_of(seen, what), y_want, ALL, f"{what}, forward: output", p, y_why)
+        got = seen["input_grad"]
+        expect(got, g_want, ALL, f"{what}, backward: the input's gradient", p, g_why)
+
+    on_every_rank(p, check)
 
 
-def mlp_case(student: ModuleType) -> tuple[nn.Linear, nn.Linear, nn.Module, Tensor, Tensor]:
-    fc1, fc2 = full_linear(21, IN, FFN), full_linear(22, FFN, IN)
-    mlp = student.ParallelMLP.from_linears(fc1, fc2)
-    return fc1, fc2, mlp, shared("mlp/x", IN), shared("mlp/grad", IN)
-
-
-def find_layer(mlp: nn.Module, cls: type, role: str) -> nn.Module:
-    found = [m for m in mlp.modules() if isinstance(m, cls)]
-    assert found, f"ParallelMLP.from_linears: the MLP holds no {cls.__name__} (its {role})"
-    return found[0]
+def mlp_call(world: World) -> tuple[dict[str, Tensor], Tensor, Tensor, CallResult]:
+    """``ParallelMLP.from_linears(fc1, fc2)`` run on every rank on the same input."""
+    (w1, b1), (w2, b2) = weights("fc1", IN, FFN), weights("fc2", FFN, IN)
+    x, grad = shared("mlp/x", IN), shared("mlp/grad", IN)
+    args = [((w1, b1), (w2, b2), x, grad) for _ in range(world.size)]
+    out = world.call(scenario="tensor_parallel.mlp_forward_backward", args=args)
+    return {"w1": w1, "b1": b1, "w2": w2, "b2": b2}, x, grad, out
 
 
 @pytest.mark.graded(target="tensor_parallel.ParallelMLP", kind="correctness")
-def test_parallel_mlp(student: ModuleType, rank: int, world_size: int) -> None:
-    p, rows, what = world_size, block(world_size, rank, FFN), f"ParallelMLP on {world_size} ranks"
-    fc1, fc2, mlp, x, grad = mlp_case(student)
-    column = find_layer(mlp, student.ColumnParallelLinear, "fc1, column parallel")
-    row = find_layer(mlp, student.RowParallelLinear, "fc2, row parallel")
-    a, b, x_ref = copy.deepcopy(fc1), copy.deepcopy(fc2), x.clone().requires_grad_()
+def test_parallel_mlp(world: World) -> None:
+    p, what = world.size, f"ParallelMLP on {world.size} ranks"
+    full, x32, grad32, out = mlp_call(world)
+    w1, b1, w2, b2 = (full[k].double() for k in ("w1", "b1", "w2", "b2"))
+    x, grad = x32.double(), grad32.double()
+    a, b, x_ref = linear(w1, b1), linear(w2, b2), x.clone().requires_grad_()
     y_want = b(F.gelu(a(x_ref)))
     y_want.backward(grad)
-    x_mine = x.clone().requires_grad_()  # what this rank's shards alone give the input
-    w1, b1, w2 = fc1.weight.detach(), fc1.bias.detach(), fc2.weight.detach()
-    mine = F.linear(F.gelu(F.linear(x_mine, w1[rows], b1[rows])), w2[:, rows])
-    (partial,) = torch.autograd.grad(mine, x_mine, grad)
     # Rounding bounds: |GELU'| <= 1.13, so 1.2 x the magnitude of fc1's output covers GELU's.
     m_h = 1.2 * (x.abs() @ w1.abs().T + b1.abs())
     m_gh = 1.2 * (grad.abs() @ w2.abs())
     g_rows, gh_rows = grad.abs().reshape(-1, IN), m_gh.reshape(-1, FFN)
-    y = mlp(x_in := x.clone().requires_grad_())
     explanations = {
         f"fc2's bias is added on every rank before the reduction: the output is off by (p-1) x "
-        f"bias = {p - 1} x bias": y_want.detach() + (p - 1) * fc2.bias.detach(),
+        f"bias = {p - 1} x bias": y_want.detach() + (p - 1) * b2,
         "GELU used the tanh approximation, use the exact one (nn.GELU())": b(
             F.gelu(a(x), approximate="tanh")
         ).detach(),
     }
-    magnitude, terms = m_h @ w2.abs().T + fc2.bias.detach().abs(), IN + FFN + 8
-    expect(y, (y_want.detach(), magnitude), ALL, f"{what}: output", terms, explanations)
-    y.backward(grad)
+    magnitude, terms = m_h @ w2.abs().T + b2.abs(), IN + FFN + 8
     twice = f"{p}x the expected: an all-reduce too many in backward"
-    why = {twice: p * x_ref.grad, "this rank's partial sum only: it must be all-reduced": partial}
-    expect(
-        x_in.grad, (x_ref.grad, m_gh @ w1.abs()), ALL, f"{what}: the input's gradient", terms, why
+    layers = (
+        ("fc1 weight", (a.weight.grad, gh_rows.T @ x.abs().reshape(-1, IN)), "rows"),
+        ("fc1 bias", (a.bias.grad, gh_rows.sum(0)), "rows"),
+        ("fc2 weight", (b.weight.grad, g_rows.T @ m_h.reshape(-1, FFN)), "cols"),
+        ("fc2 bias", (b.bias.grad, g_rows.sum(0)), "all"),
     )
-    for name, layer, pair, index in (
-        ("fc1 weight", column.weight, (a.weight.grad, gh_rows.T @ x.abs().reshape(-1, IN)), rows),
-        ("fc1 bias", column.bias, (a.bias.grad, gh_rows.sum(0)), rows),
-        ("fc2 weight", row.weight, (b.weight.grad, g_rows.T @ m_h.reshape(-1, FFN)), (ALL, rows)),
-        ("fc2 bias", row.bias, (b.bias.grad, g_rows.sum(0)), ALL),
-    ):
-        why = {twice: p * pair[0]}
-        expect(layer.grad, pair, index, f"{what}: {name} gradient", terms, why)
+
+    def check(r: int) -> None:
+        seen, rows = out.returned[r], block(p, r, FFN)
+        for found, cls, role in (("has_column", "Column", "fc1"), ("has_row", "Row", "fc2")):
+            kind = f"{cls}ParallelLinear (its {role}, {cls.lower()} parallel)"
+            require(seen[found], f"ParallelMLP.from_linears: the MLP holds no {kind}")
+        y = output_of(seen, what)
+        expect(y, (y_want.detach().float(), magnitude), ALL, f"{what}: output", terms, explanations)
+        x_mine = x.clone().requires_grad_()  # what this rank's shards alone give the input
+        mine = F.linear(F.gelu(F.linear(x_mine, w1[rows], b1[rows])), w2[:, rows])
+        (partial,) = torch.autograd.grad(mine, x_mine, grad)
+        why = {
+            twice: p * x_ref.grad,
+            "this rank's partial sum only: it must be all-reduced": partial,
+        }
+        pair = (x_ref.grad.float(), m_gh @ w1.abs())
+        expect(seen["input_grad"], pair, ALL, f"{what}: the input's gradient", terms, why)
+        for name, (want, mag), split in layers:
+            index = {"rows": rows, "cols": (ALL, rows), "all": ALL}[split]
+            pair, why = (want.float(), mag), {twice: p * want}
+            expect(seen[name], pair, index, f"{what}: {name} gradient", terms, why)
+
+    on_every_rank(p, check)
+
+
+WHY_ONCE = {
+    "forward": "one all-reduce of fc2's partial outputs (fc1's output stays sharded, GELU needs "
+    "no communication)",
+    "backward": "one all-reduce of the input's gradient (copy_to_parallel_region before fc1)",
+}
+
+
+def phase_operations(out: CallResult, rank: int) -> dict[str, Counter]:
+    """The operations the broker carried for ``rank`` in the MLP's forward and its backward.
+
+    The operations, their names and their count are the broker's own record (trusted);
+    where the forward ends and the backward begins comes from the marks the rank's
+    scenario posted around ``mlp(x)`` and ``y.backward()``.
+    """
+    events = out.traffic.per_rank[rank]
+    at = {label: i for i, label in out.traffic.marks(rank)}
+    require(
+        {"forward", "backward", "end"} <= set(at),
+        f"rank {rank}: the grader's marks around the MLP's forward and backward are missing",
+    )
+    phases = {"forward": (at["forward"], at["backward"]), "backward": (at["backward"], at["end"])}
+    return {
+        phase: Counter(e.op for e in events[start + 1 : stop] if e.op != "mark")
+        for phase, (start, stop) in phases.items()
+    }
 
 
 @pytest.mark.graded(target="tensor_parallel.ParallelMLP", kind="communication")
-def test_parallel_mlp_communication(ctx: TestContext, student: ModuleType, world_size: int) -> None:
-    _, _, mlp, x, grad = mlp_case(student)
-    x.requires_grad_()
-    with ctx.recording() as forward:
-        y = mlp(x)
-    with ctx.recording() as backward:
-        y.backward(grad)
-    why = {
-        "forward": "one all-reduce of fc2's partial outputs (fc1's output stays sharded, GELU "
-        "needs no communication)",
-        "backward": "one all-reduce of the input's gradient (copy_to_parallel_region before fc1)",
-    }
-    calls = {}
-    for phase, log in (("forward", forward), ("backward", backward)):
-        calls[phase] = Counter(e.op.replace("allreduce", "all_reduce") for e in log.events)
-        ctx.extra[f"{phase}_calls"] = dict(calls[phase])
-    for phase, made in calls.items():
-        listed = ", ".join(f"{op} x{n}" for op, n in sorted(made.items())) or "no communication"
-        assert made == Counter(all_reduce=1), (
-            f"ParallelMLP on {world_size} ranks: its {phase} made {listed}; Megatron's MLP "
-            f"communicates exactly once in {phase}: {why[phase]}"
-        )
+def test_parallel_mlp_communication(world: World, record: TestRecord) -> None:
+    p = world.size
+    *_, out = mlp_call(world)
+    record.details["all_reduces"] = [
+        len(out.traffic.collectives(r, "all_reduce")) for r in range(p)
+    ]
+    calls = [phase_operations(out, r) for r in range(p)]
+    record.details["forward_calls"] = dict(calls[0]["forward"])
+    record.details["backward_calls"] = dict(calls[0]["backward"])
+
+    def check(r: int) -> None:
+        for phase, made in calls[r].items():
+            listed = ", ".join(f"{op} x{n}" for op, n in sorted(made.items()))
+            require(
+                made == Counter(all_reduce=1),
+                f"ParallelMLP on {p} ranks: its {phase} made {listed or 'no communication'}; "
+                f"Megatron's MLP communicates exactly once in {phase}: {WHY_ONCE[phase]}",
+            )
+
+    on_every_rank(p, check)
 
 
 @pytest.mark.graded(target="tensor_parallel.{layer}", kind="correctness")
 @pytest.mark.parametrize("layer", ["ColumnParallelLinear", "RowParallelLinear"])
-def test_indivisible_dimension(student: ModuleType, world_size: int, layer: str) -> None:
-    p, dim = world_size, "out_features" if layer.startswith("Column") else "in_features"
+def test_indivisible_dimension(world: World, layer: str) -> None:
+    p, dim = world.size, "out_features" if layer.startswith("Column") else "in_features"
     sizes = {"in_features": 4 * p, "out_features": 4 * p, dim: 2 * p + 1}
-    cls, shape = getattr(student, layer), f"{sizes['in_features']}, {sizes['out_features']}"
-    for name, make in (
-        (f"{layer}({shape})", lambda: cls(**sizes)),
-        (f"{layer}.from_linear(nn.Linear({shape}))", lambda: cls.from_linear(nn.Linear(**sizes))),
+    shape = f"{sizes['in_features']}, {sizes['out_features']}"
+    for how, name in (
+        ("init", f"{layer}({shape})"),
+        ("from_linear", f"{layer}.from_linear(nn.Linear({shape}))"),
     ):
-        try:
-            make()
-        except ValueError as err:
-            assert p > 1, f"{name} at world size 1 raised ValueError ({err}): 1 divides any size"
-            assert dim in str(err), (
-                f"{name} on {p} ranks raised ValueError({str(err)!r}): name the dimension that "
-                f"{p} does not divide ({dim}={sizes[dim]})"
-            )
-            continue
-        assert p == 1, (
-            f"{name} on {p} ranks did not raise ValueError: {dim}={sizes[dim]} is not divisible "
-            f"by {p}, the tensor-parallel size"
+        out = world.call(
+            scenario="tensor_parallel.construct", args=[(layer, how, sizes)] * p, case=name
         )
+
+        def check(r: int, raised: list[str | None] = out.returned, name: str = name) -> None:
+            err = raised[r]
+            if err is None:
+                require(
+                    p == 1,
+                    f"{name} on {p} ranks did not raise ValueError: {dim}={sizes[dim]} is not "
+                    f"divisible by {p}, the tensor-parallel size",
+                )
+                return
+            require(p > 1, f"{name} at world size 1 raised ValueError ({err}): 1 divides any size")
+            require(
+                dim in err,
+                f"{name} on {p} ranks raised ValueError({err!r}): name the dimension that "
+                f"{p} does not divide ({dim}={sizes[dim]})",
+            )
+
+        on_every_rank(p, check)

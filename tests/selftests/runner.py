@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -12,6 +13,44 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parents[2]
 SUBMISSIONS = Path(__file__).resolve().parent / "submissions"
+_IMPORT = re.compile(r"^from reference(?:\.(\w+))? import (.+?)(?:\s+#.*)?$")
+
+
+def materialize(name: str, into: Path) -> Path:
+    """A broken submission as a student would hand it in: self-contained.
+
+    The files in ``submissions/`` say ``from reference.<part> import *`` and
+    override what they break; the ranks cannot see the reference (it is hidden
+    from them), so the reference's source is written into the file first, and
+    the override follows it. ``from reference import <part> as R`` keeps a
+    snapshot of the reference's names as ``R``.
+    """
+    source_dir = SUBMISSIONS / name
+    target = into / name
+    target.mkdir(parents=True, exist_ok=True)
+    for path in source_dir.iterdir():
+        if path.suffix != ".py":
+            continue
+        lines = path.read_text().splitlines()
+        if not any(_IMPORT.match(line) for line in lines):
+            (target / path.name).write_text(path.read_text())
+            continue
+        reference = (REPO / "reference" / path.name).read_text()
+        body = []
+        for line in lines:
+            found = _IMPORT.match(line)
+            if line.startswith("from __future__"):
+                continue
+            if found is None:
+                body.append(line)
+            elif found.group(1) is None:  # from reference import part as alias
+                alias = found.group(2).split(" as ")[-1].strip()
+                body.append(f"{alias} = __import__('types').SimpleNamespace(**dict(globals()))")
+            elif " as " in found.group(2):  # from reference.part import name as alias
+                original, alias = (w.strip() for w in found.group(2).split(" as "))
+                body.append(f"{alias} = {original}")
+        (target / path.name).write_text(reference + "\n\n" + "\n".join(body) + "\n")
+    return target
 
 
 @dataclass
@@ -59,7 +98,7 @@ class Graded:
 
 
 def run_grader(
-    args: list[str], timeout: float = 600, cwd: Path = REPO
+    args: list[str], timeout: float = 600, cwd: Path = REPO, env: dict[str, str] | None = None
 ) -> subprocess.CompletedProcess:
     """Run `python -m grader ARGS`; on timeout, stop it as Ctrl-C would, then for good."""
     process = subprocess.Popen(
@@ -68,7 +107,7 @@ def run_grader(
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-        env={**os.environ, "COLUMNS": "200", "NO_COLOR": "1"},
+        env={**os.environ, "COLUMNS": "200", "NO_COLOR": "1", **(env or {})},
         start_new_session=True,
     )
     try:

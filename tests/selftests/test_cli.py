@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -11,7 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
-from runner import REPO, SUBMISSIONS, run_grader
+from runner import REPO, SUBMISSIONS, materialize, run_grader
 
 from grader.launch.job import descendants, process_alive
 
@@ -25,6 +26,11 @@ from grader.launch.job import descendants, process_alive
         (["run", "collectives", "-k", "nothing_matches"], "grader: error: no graded test matches"),
         (["frobnicate"], "grader: error: argument command: invalid choice: 'frobnicate'"),
         (["bench", "pipeline_parallel"], "grader: error: grader bench measures the collectives"),
+        (
+            ["run", "--results", "/no/such/dir/results.json"],
+            "grader: error: cannot write --results /no/such/dir/results.json: no such directory",
+        ),
+        (["--config", "/no/such.yaml", "list"], "grader: error: cannot read the grading config"),
     ],
 )
 def test_bad_input_is_one_clear_line_and_exit_status_2(args: list[str], message: str):
@@ -43,12 +49,33 @@ def test_a_bad_configuration_is_exit_status_2(tmp_path: Path):
     assert "grader: error:" in done.stderr and "Traceback" not in done.stderr
 
 
-def test_list_shows_every_part_with_its_points():
+def test_a_bad_gradescope_visibility_is_one_line_naming_it(tmp_path: Path):
+    graded = tmp_path / "tests" / "graded"
+    shutil.copytree(REPO / "tests" / "graded", graded)
+    config = graded / "grading.yaml"
+    config.write_text(
+        config.read_text().replace("stdout_visibility: hidden", "stdout_visibility: x")
+    )
+    done = run_grader(["run", "--submission", "reference"], timeout=120, cwd=tmp_path)
+    assert done.returncode == 2
+    assert done.stderr.startswith("grader: error: ") and len(done.stderr.splitlines()) == 1
+    assert "gradescope.stdout_visibility must be one of" in done.stderr
+
+
+def test_list_shows_every_part_with_its_points_and_visibility():
     done = run_grader(["list"], timeout=120)
     assert done.returncode == 0
     for part in ("collectives", "pipeline_parallel"):
         assert part in done.stdout
     assert "points in all" in done.stdout
+    assert "visibility" in done.stdout and "visible" in done.stdout
+
+
+def test_help_documents_the_configuration_option():
+    done = run_grader(["--help"], timeout=60)
+    assert done.returncode == 0
+    assert "--config FILE" in done.stdout and "GRADER_CONFIG" in done.stdout
+    assert "gradescope" in done.stdout
 
 
 def test_a_missing_module_grades_its_part_as_not_submitted(tmp_path: Path):
@@ -63,8 +90,9 @@ def test_a_missing_module_grades_its_part_as_not_submitted(tmp_path: Path):
 
 
 def test_interrupting_the_grader_ends_every_process_it_started(tmp_path: Path):
-    """Ctrl-C while every rank is blocked in gloo: nothing is left behind, the results are kept."""
+    """Ctrl-C while a rank is stuck in a busy loop: nothing is left behind, the results kept."""
     results = tmp_path / "results.json"
+    submission = materialize("coll_faults", tmp_path)  # its scatter spins on one rank
     grader = subprocess.Popen(
         [
             sys.executable,
@@ -72,10 +100,12 @@ def test_interrupting_the_grader_ends_every_process_it_started(tmp_path: Path):
             "grader",
             "run",
             "collectives",
+            "-k",
+            "scatter",
             "--world-size",
             "2",
             "--submission",
-            str(SUBMISSIONS / "coll_deadlock_all"),
+            str(submission),
             "--results",
             str(results),
         ],
@@ -91,7 +121,7 @@ def test_interrupting_the_grader_ends_every_process_it_started(tmp_path: Path):
             time.sleep(0.5)
             started = descendants(grader.pid)
         assert len(started) >= 3, "the grader never started its job"
-        time.sleep(2)  # the ranks are in the tests now, waiting in gloo
+        time.sleep(3)  # the ranks are in the test now, one of them spinning
         started = descendants(grader.pid)
         grader.send_signal(signal.SIGINT)
         assert grader.wait(timeout=30) == 130
@@ -103,5 +133,6 @@ def test_interrupting_the_grader_ends_every_process_it_started(tmp_path: Path):
         time.sleep(0.1)
     assert not alive, f"left behind: {alive}"
     reported = json.loads(results.read_text())["tests"]
-    assert len(reported) == 24  # every test at world size 2, those not reached as not_run
+    assert len(reported) == 6  # every selected test, those not finished as not_run
     assert "not run: grading was interrupted" in {t["output"] for t in reported}
+    assert "the test did not complete" not in {t["output"] for t in reported}

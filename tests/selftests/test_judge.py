@@ -1,69 +1,154 @@
-"""The judge alone: from what the ranks reported to one verdict (no jobs, fast)."""
+"""The trusted pieces alone, without a job: the wire format, the broker's fault detection,
+the cleaning of untrusted text, the audit, and the communication figures (fast)."""
 
 from __future__ import annotations
 
+import socket
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from grader import protocol, wire
+from grader.broker.server import Broker
+from grader.judge.audit import audit
 from grader.judge.communication import figures, min_rounds
 from grader.judge.projection import machines, project
-from grader.judge.verdict import RankResult, judge
+from grader.wire import Frame, WireError
 
 
-def waiting(call: str, peer: int, outcome: str = "timeout", gone: bool = False) -> RankResult:
-    extra = {"waiting_for": peer, **({"peer_gone": True} if gone else {})}
-    suffix = " when a peer closed the connection" if gone else ""
-    return RankResult(outcome, f"waits in {call}{suffix}", extra)
+def test_a_non_contiguous_view_travels_as_a_view() -> None:
+    tensor = torch.arange(30, dtype=torch.float32).reshape(3, 10)[:, ::2]
+    node, buffers = wire.pack([tensor, None, 3, {"k": [tensor.double()]}])
+    back = wire.decode(node, buffers)
+    assert torch.equal(back[0], tensor) and back[0].stride() == tensor.stride()
+    assert back[1:3] == [None, 3] and torch.equal(back[3]["k"][0], tensor.double())
 
 
-def test_a_test_passes_only_if_every_rank_reported_a_pass():
-    assert judge({0: RankResult("passed"), 1: RankResult("passed")}, 2).passed
-    silent = judge({0: RankResult("passed")}, 2)
-    assert not silent.passed
-    assert silent.message == "rank 1: reported no result"
+@pytest.mark.parametrize(
+    "node",
+    [
+        {"k": "tensor", "dtype": "float32", "shape": [4], "stride": [1], "buf": 0},  # short
+        {"k": "tensor", "dtype": "object", "shape": [1], "stride": [1], "buf": 0},
+        {"k": "tensor", "dtype": "float32", "shape": [-1], "stride": [1], "buf": 0},
+        {"k": "pickle", "v": "cos\nsystem\n"},
+        {"k": "list", "v": "x"},
+    ],
+)
+def test_malformed_values_are_refused(node: dict) -> None:
+    with pytest.raises(WireError):
+        wire.decode(node, [b"\0" * 8])
 
 
-def test_the_root_cause_is_named_not_its_echoes():
-    verdict = judge(
-        {
-            0: RankResult("failed", "reduce: element 0: expected 3, got 2"),
-            1: waiting("recv from rank 0", 0, "error", gone=True),
-            2: waiting("send to rank 1", 1),
-        },
-        3,
+def test_untrusted_text_is_capped_and_stripped_of_control_characters() -> None:
+    text = protocol.clean("\x1b[2J\x1b[31mok\x1b[0m\r\x07" + "A" * 10_000)
+    assert text.startswith("okA") and len(text) == protocol.MAX_TEXT and text.endswith("...")
+
+
+def test_the_audit_points_at_what_a_ta_should_read(tmp_path: Path) -> None:
+    (tmp_path / "collectives.py").write_text(
+        "import ctypes\nimport torch\nx = torch.ops.c10d\nexec('1')\n"
     )
-    assert verdict.outcome == "failed"
-    assert verdict.message == (
-        "rank 0: reduce: element 0: expected 3, got 2; then ranks 1, 2 waited for it in vain"
+    found = audit(tmp_path)
+    assert "assignments/collectives.py:1: loads C code (ctypes)" in found
+    assert "assignments/collectives.py:3: calls torch operators directly (torch.ops)" in found
+    assert "assignments/collectives.py:4: runs a string as code (exec)" in found
+
+
+class FakeRank:
+    """A rank speaking the protocol by hand: what the broker sees from a real one."""
+
+    def __init__(self, broker_dir: Path, rank: int) -> None:
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.connect(str(Broker.socket_path(broker_dir, rank)))
+        self.frames: list[Frame] = []
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        while (frame := wire.recv_frame(self.sock)) is not None:
+            self.frames.append(frame)
+
+    def post(self, kind: str, buffers: list[bytes] | None = None, **header: object) -> None:
+        wire.send_frame(self.sock, Frame({"type": kind, **header}, buffers or []))
+
+    def message(self, kind: str, op: int, peer: int, numel: int, at: str) -> None:
+        payload = [b"\0" * 4 * numel] if kind == protocol.SEND else []
+        meta = {"dtype": "float32", "numel": numel}
+        self.post(kind, payload, op=op, peer=peer, group=[0, 1], tag=0, at=at, **meta)
+
+
+@pytest.fixture
+def broker(tmp_path: Path):
+    broker = Broker(tmp_path, 2)
+    ranks = [FakeRank(tmp_path, r) for r in range(2)]
+    deadline = time.monotonic() + 5
+    while len(broker.connected()) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    call = Frame({"type": protocol.CALL, "call": 1, "function": "x.y", "args": {}})
+    broker.start_call([call, call], forbid_collectives=True)
+    yield broker, ranks
+    broker.close()
+
+
+def settle(broker: Broker, until) -> None:
+    deadline = time.monotonic() + 5
+    while not until() and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
+def test_two_ranks_blocked_in_send_to_each_other_are_a_deadlock_at_once(broker) -> None:
+    broker, (zero, one) = broker
+    zero.message(protocol.SEND, 1, 1, 4, "c.py:3 in f")
+    one.message(protocol.SEND, 1, 0, 4, "c.py:3 in f")
+    zero.post(protocol.WAIT, op=1)
+    one.post(protocol.WAIT, op=1)
+    settle(broker, lambda: broker.problems)
+    assert [p.kind for p in broker.problems] == ["deadlock"]
+    assert broker.problems[0].message == (
+        "deadlock: rank 0 waits in send to rank 1 at c.py:3 in f "
+        "while rank 1 waits in send to rank 0 at c.py:3 in f"
     )
 
 
-def test_a_cycle_of_sends_is_a_deadlock():
-    verdict = judge(
-        {0: waiting("send to rank 1", 1), 1: waiting("send to rank 0", 0, "error", gone=True)}, 2
-    )
-    assert verdict.outcome == "timeout"
-    assert verdict.message == (
-        "deadlock: rank 0 waits in send to rank 1 while rank 1 waits in send to rank 0"
-    )
-
-
-def test_a_send_and_a_receive_that_never_match_are_not_called_a_deadlock():
-    verdict = judge({0: waiting("isend to rank 1", 1), 1: waiting("irecv from rank 0", 0)}, 2)
-    assert verdict.message.startswith(
-        "rank 0's send to rank 1 and rank 1's receive from rank 0 never matched"
+def test_a_size_mismatch_names_both_lines(broker) -> None:
+    broker, (zero, one) = broker
+    one.message(protocol.SEND, 1, 0, 4, "c.py:9 in g")
+    zero.message(protocol.RECV, 1, 1, 2, "c.py:7 in g")
+    settle(broker, lambda: broker.problems)
+    assert broker.problems[0].message == (
+        "rank 1 sent 16 bytes (float32[4]) to rank 0 (at c.py:9 in g), which posted a "
+        "receive of 8 bytes (float32[2]) (at c.py:7 in g)"
     )
 
 
-def test_crash_outranks_the_errors_it_causes():
-    verdict = judge(
-        {
-            0: RankResult("crashed", "the process exited during the test"),
-            1: waiting("recv from rank 0", 0, "error", gone=True),
-        },
-        2,
+def test_a_message_to_a_rank_outside_the_group_is_named(broker) -> None:
+    broker, (zero, _) = broker
+    zero.message(protocol.SEND, 1, 3, 1, "c.py:5 in h")
+    settle(broker, lambda: broker.problems)
+    assert broker.problems[0].message == (
+        "rank 0: send to rank 3, but the group has ranks 0..1 (at c.py:5 in h)"
     )
-    assert (verdict.outcome, verdict.message) == (
-        "crashed",
-        "rank 0: the process exited during the test",
+
+
+def test_a_collective_where_none_is_allowed_is_forbidden(broker) -> None:
+    broker, (zero, _) = broker
+    zero.post(protocol.COLLECTIVE, [b"\0" * 4], op=1, name="all_reduce", group=[0, 1],
+              inputs=[{"dtype": "float32", "numel": 1}], outputs=[], at="c.py:2 in k")  # fmt: skip
+    settle(broker, lambda: broker.problems)
+    assert broker.problems[0].outcome == protocol.FORBIDDEN
+    assert broker.problems[0].message.startswith(
+        "rank 0: called a built-in collective (all_reduce) at c.py:2 in k"
     )
+
+
+def test_garbage_on_the_socket_is_a_protocol_error_not_a_crash(broker) -> None:
+    broker, (zero, _) = broker
+    zero.post("launch_missiles", op=1)
+    settle(broker, lambda: broker.problems)
+    assert broker.problems[0].kind == "protocol"
+    assert "unknown message 'launch_missiles'" in broker.problems[0].message
 
 
 def ring_all_reduce(p: int, n: int) -> list[list[dict]]:

@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 from pathlib import Path
 
 import pytest
 import yaml
+from installs import make_venv, run
 
 REPO = Path(__file__).resolve().parents[2]
+WORKFLOW = REPO / ".github" / "workflows" / "grade.yml"
 
 
 def test_dockerfile_passes_hadolint():
@@ -30,11 +33,23 @@ def test_dockerfile_grades_as_a_non_root_user_and_mounts_the_submission():
 
 
 def test_workflow_builds_the_image_grades_and_uploads_results():
-    workflow = yaml.safe_load((REPO / ".github" / "workflows" / "grade.yml").read_text())
+    workflow = yaml.safe_load(WORKFLOW.read_text())
     steps = [step for job in workflow["jobs"].values() for step in job["steps"]]
     runs = "\n".join(step.get("run", "") for step in steps)
-    assert "docker build" in runs and "docker run" in runs
+    assert "docker build" in runs and "docker run --rm --network none" in runs
     assert any(step.get("uses", "").startswith("actions/upload-artifact") for step in steps)
+    # The reference must earn every point: grading the stubs proves nothing.
+    assert "--submission reference" in runs and "maximum" in runs
+
+
+def test_workflow_pins_every_action_by_sha_and_reads_only():
+    """A tag can be moved to other code; a full commit SHA cannot. The token reads only."""
+    workflow = yaml.safe_load(WORKFLOW.read_text())
+    assert workflow.get("permissions") == {"contents": "read"}
+    uses = [line.strip() for line in WORKFLOW.read_text().splitlines() if "uses:" in line]
+    assert uses
+    for line in uses:
+        assert re.fullmatch(r"(- )?uses: [\w.-]+/[\w./-]+@[0-9a-f]{40} # v\d+(\.\d+)*", line), line
 
 
 def test_ci_runs_the_readme_test_command():
@@ -46,6 +61,16 @@ def test_ci_runs_the_readme_test_command():
     assert os.access(REPO / "gradescope" / "run_autograder", os.X_OK)
 
 
+def test_readme_installs_cpu_torch_before_the_project_and_links_docs():
+    """A student's first command on Linux must not pull a multi-GB CUDA build of torch."""
+    readme = (REPO / "README.md").read_text()
+    cpu = readme.index("pip install torch --index-url https://download.pytorch.org/whl/cpu")
+    assert cpu < readme.index("pip install -e .")
+    assert "../shared" not in readme  # a clone has no shared/ folder
+    for doc in ("student-api.md", "submission.md", "commands.md", "results.md"):
+        assert f"docs/{doc}" in readme and (REPO / "docs" / doc).is_file()
+
+
 def test_the_code_is_ruff_clean():
     """Students read this code: it keeps the style it teaches (ruff, configured in pyproject)."""
     ruff = shutil.which("ruff")
@@ -54,3 +79,29 @@ def test_the_code_is_ruff_clean():
     for args in (["check", "."], ["format", "--check", "."]):
         done = subprocess.run([ruff, *args], cwd=REPO, capture_output=True, text=True)
         assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-1000:]
+
+
+@pytest.mark.slow
+def test_a_plain_pip_install_grades_from_the_course_directory(tmp_path: Path):
+    """`pip install .` (not editable) puts the package in site-packages, away from
+    tests/graded/: `grader` finds the course from the current directory instead."""
+    course = tmp_path / "course"
+    shutil.copytree(
+        REPO,
+        course,
+        ignore=shutil.ignore_patterns(".git", "__pycache__", "*.egg-info", "build", ".*_cache"),
+    )
+    env = make_venv(tmp_path / "venv")
+    done = run(["python3", "-m", "pip", "install", "--no-deps", "."], env, cwd=course)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    where = run(["python3", "-c", "import grader; print(grader.__file__)"], env, cwd=tmp_path)
+    assert Path(where.stdout.strip()).is_relative_to(tmp_path / "venv"), where.stdout
+    listed = run(["grader", "list", "tensor_parallel"], env, cwd=course / "assignments")
+    assert listed.returncode == 0, listed.stderr
+    assert "points in all" in listed.stdout and "visibility" in listed.stdout
+    nowhere = run(["grader", "list"], env, cwd=tmp_path)
+    assert nowhere.returncode == 2
+    assert nowhere.stderr.startswith("grader: error: cannot find the grading configuration")
+    explicit = course / "tests" / "graded" / "grading.yaml"
+    found = run(["grader", "--config", str(explicit), "list"], env, cwd=tmp_path)
+    assert found.returncode == 0, found.stderr

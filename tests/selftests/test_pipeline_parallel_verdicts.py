@@ -24,6 +24,10 @@ def test_reference_passes_everything(grade) -> None:
     assert set(mine) == {(name, size) for name in GRADIENTS + SCHEDULES for size in (2, 3, 4)}
     assert {t["extra_data"]["outcome"] for t in mine.values()} == {"passed"}
     assert sum(t["score"] for t in mine.values()) == 30
+    schedule = mine[("one_f_one_b_schedule", 4)]["extra_data"]
+    assert schedule["timeline"] == schedule["expected_timeline"]
+    # The broker's record alone shows stage r with p - r microbatches in flight, no more.
+    assert schedule["in_flight_lower_bound_from_messages"] == [4, 3, 2]
 
 
 def test_stubs_fail_everything_as_not_implemented(grade) -> None:
@@ -49,7 +53,10 @@ def test_1f1b_running_gpipe_fails_only_the_1f1b_schedule(grade) -> None:
     )
     assert "at most 4 microbatches are in flight" in entry["output"]
     gpipe = [f"F{i}" for i in range(9)] + [f"B{i}" for i in range(9)]
-    assert [r["timeline"] for r in entry["extra_data"]["per_rank"]] == [gpipe] * 4
+    assert entry["extra_data"]["timeline"] == [gpipe] * 4
+    # The broker's record confirms it: every stage sent all 9 activations before its first
+    # gradient receive.
+    assert entry["extra_data"]["in_flight_lower_bound_from_messages"] == [9, 9, 9]
     expected = entry["extra_data"]["expected_timeline"]
     assert expected[0][:6] == ["F0", "F1", "F2", "F3", "B0", "F4"]
     assert expected[3][:4] == ["F0", "B0", "F1", "B1"]

@@ -16,7 +16,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 
-from grader.rank import p2p
+from grader.bench import p2p
 
 
 @dataclass(frozen=True)

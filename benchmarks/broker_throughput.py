@@ -1,0 +1,132 @@
+"""The broker's payload throughput against gloo's, for 4 MB messages, side by side.
+
+    python benchmarks/broker_throughput.py [--iterations 20] [--megabytes 4]
+
+Every rank sends a message to the next rank and receives one from the
+previous, ``--iterations`` times (a ring, as in a ring all-reduce), first
+through the grader's broker (sandboxed ranks, as in grading), then over gloo
+in a plain torchrun job. Prints the payload each rank receives per second
+and the ratio, at 2 and 4 ranks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+RING = '''
+import time
+import torch
+import torch.distributed as dist
+
+
+def ring(tensor, iterations):
+    """Send to the next rank, receive from the previous, ``iterations`` times."""
+    rank, p = dist.get_rank(), dist.get_world_size()
+    incoming = torch.empty_like(tensor)
+    start = time.perf_counter()
+    for _ in range(iterations):
+        requests = [dist.isend(tensor, (rank + 1) % p), dist.irecv(incoming, (rank - 1) % p)]
+        for request in requests:
+            request.wait()
+    return time.perf_counter() - start
+'''
+
+GLOO = (
+    RING
+    + """
+if __name__ == "__main__":
+    import json, os, sys
+    dist.init_process_group("gloo")
+    tensor = torch.ones(int(sys.argv[1]))
+    ring(tensor, 2)  # warm-up
+    seconds = ring(tensor, int(sys.argv[2]))
+    if dist.get_rank() == 0:
+        print(json.dumps({"seconds": seconds}))
+    dist.destroy_process_group()
+"""
+)
+
+
+def through_broker(work: Path, p: int, elements: int, iterations: int) -> float:
+    from grader import sandbox
+    from grader.launch.world import CallLimits, JobSettings, RankPool, World
+    from grader.submission import stage
+
+    submission = work / "submission"
+    submission.mkdir(exist_ok=True)
+    (submission / "collectives.py").write_text(RING)
+    import_dir = work / f"import{p}"
+    stage(submission, import_dir)
+    package = REPO / "grader"
+    level = sandbox.detect("auto")
+    settings = JobSettings(
+        work_dir=work,
+        import_dir=import_dir,
+        sandbox=level.value,
+        hidden=(REPO, Path.home()),
+        readable=(package, import_dir, Path(sys.base_prefix), Path(sys.prefix)),
+        pythonpath=str(REPO),
+        memory_bytes=sandbox.DEFAULT_MEMORY,
+    )
+    pool = RankPool(p, settings)
+    try:
+        world = World(p, pool, CallLimits(timeout=600))
+        import torch
+
+        tensor = torch.ones(elements)
+        world.call("collectives.ring", [(tensor, 2) for _ in range(p)])  # warm-up
+        start = time.monotonic()
+        world.call("collectives.ring", [(tensor, iterations) for _ in range(p)])
+        return time.monotonic() - start
+    finally:
+        pool.close()
+
+
+def over_gloo(work: Path, p: int, elements: int, iterations: int) -> float:
+    script = work / "gloo_ring.py"
+    script.write_text(GLOO)
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={p}",
+         f"--log-dir={work / 'logs'}", str(script), str(elements), str(iterations)],
+        capture_output=True, text=True, check=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )  # fmt: skip
+    return json.loads(done.stdout.strip().splitlines()[-1])["seconds"]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--iterations", type=int, default=20)
+    parser.add_argument("--megabytes", type=float, default=4.0)
+    args = parser.parse_args()
+    elements = int(args.megabytes * 2**20 / 4)
+    payload = elements * 4 * args.iterations  # bytes each rank receives
+    work = Path(tempfile.mkdtemp(prefix="grader-bench-"))
+    work.chmod(0o711)
+    try:
+        print(f"{args.iterations} ring steps of {args.megabytes:g} MB messages")
+        for p in (2, 4):
+            broker = through_broker(work, p, elements, args.iterations)
+            gloo = over_gloo(work, p, elements, args.iterations)
+            print(
+                f"{p} ranks: broker {payload / broker / 1e6:8.1f} MB/s per rank, "
+                f"gloo {payload / gloo / 1e6:8.1f} MB/s per rank: "
+                f"the broker at {gloo / broker:.2f}x gloo's throughput"
+            )
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""The trusted broker: every message and collective between ranks passes through it."""

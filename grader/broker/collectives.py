@@ -1,0 +1,89 @@
+"""The built-in collectives, computed by the broker from every rank's contribution.
+
+Only the strategy parts may call them (data, tensor and pipeline
+parallelism build on collectives the course has already taught). The
+results are what gloo or NCCL would give: the reduction runs in the
+tensors' own dtype, in rank order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from grader.broker.ops import Op
+
+REDUCTIONS: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
+    "sum": torch.add,
+    "avg": torch.add,  # divided by the group size afterwards
+    "product": torch.mul,
+    "max": torch.maximum,
+    "min": torch.minimum,
+}
+
+
+def reduce(tensors: list[torch.Tensor], op: str) -> torch.Tensor:
+    result = tensors[0].clone()
+    for tensor in tensors[1:]:
+        result = REDUCTIONS[op](result, tensor)
+    if op == "avg":
+        result = result / len(tensors) if result.is_floating_point() else result // len(tensors)
+    return result
+
+
+def compute(
+    name: str, inputs: list[list[torch.Tensor]], root: int, op: str
+) -> list[list[torch.Tensor]]:
+    """Every member's outputs, from every member's inputs (both in group order)."""
+    p = len(inputs)
+    if name == "barrier":
+        return [[] for _ in range(p)]
+    if name == "all_reduce":
+        reduced = [reduce([inputs[r][i] for r in range(p)], op) for i in range(len(inputs[0]))]
+        return [list(reduced) for _ in range(p)]
+    if name == "broadcast":
+        return [list(inputs[root]) for _ in range(p)]
+    if name == "all_gather":
+        return [[inputs[r][0] for r in range(p)] for _ in range(p)]
+    if name == "reduce_scatter":
+        return [[reduce([inputs[r][s] for r in range(p)], op)] for s in range(p)]
+    if name == "all_to_all":
+        return [[inputs[r][s] for r in range(p)] for s in range(p)]
+    raise ValueError(f"the broker does not provide {name}")
+
+
+class CollectiveError(ValueError):
+    """The members of a collective disagree, or their contributions cannot be combined."""
+
+
+def run(members: list[Op]) -> list[list[torch.Tensor]]:
+    """Every member's outputs for one collective, after checking that the members agree."""
+    from grader.broker.ops import describe_collective, tensor_of
+
+    first = members[0]
+
+    def signature(op: Op) -> tuple:
+        inputs = op.info["inputs"]  # an all-to-all's pieces may differ in size from rank to rank
+        return (op.kind, op.info["root"], op.info["reduce_op"],
+                len(inputs) if op.kind == "all_to_all" else inputs)  # fmt: skip
+
+    for op in members[1:]:
+        if signature(op) != signature(first):
+            raise CollectiveError(
+                f"the ranks disagree on a collective: rank {first.rank} calls "
+                f"{describe_collective(first)} while rank {op.rank} calls {describe_collective(op)}"
+            )
+    root = first.info["root"]
+    if first.kind == "broadcast" and not 0 <= root < len(first.info["group"]):
+        raise CollectiveError(f"broadcast from rank {root}, outside the group")
+    try:
+        inputs = [
+            [tensor_of(meta, buf) for meta, buf in zip(op.info["inputs"], op.payload, strict=True)]
+            for op in members
+        ]
+        return compute(first.kind, inputs, root, first.info["reduce_op"])
+    except (ValueError, RuntimeError, IndexError, KeyError) as err:
+        raise CollectiveError(f"{first.kind} failed: {err}") from None

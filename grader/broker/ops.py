@@ -1,0 +1,89 @@
+"""The broker's records: one rank's state, one posted operation, and what a call came to."""
+
+from __future__ import annotations
+
+import socket
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from grader import wire
+from grader.protocol import ProtocolError, RankError, TensorMeta
+
+
+@dataclass(frozen=True)
+class Problem:
+    """A fault the broker saw itself: what a verdict may rest on."""
+
+    outcome: str  # one of protocol.OUTCOMES
+    message: str
+    kind: str  # deadlock, mismatch, bad_peer, forbidden, disagreement, unreceived, protocol
+
+
+@dataclass(frozen=True)
+class Returned:
+    """What a rank's call returned, decoded and checked by :mod:`grader.wire`."""
+
+    value: Any
+    rebound: tuple[str, ...] = ()
+
+
+@dataclass
+class Op:
+    """One operation a rank posted: a send, a receive or its part of a collective."""
+
+    rank: int
+    id: int
+    kind: str  # "send", "recv" or a collective's name
+    peer: int  # global rank, -1 for a collective
+    tag: int
+    at: str
+    meta: TensorMeta | None = None
+    payload: list[bytes] = field(default_factory=list)
+    info: dict[str, Any] = field(default_factory=dict)
+    done: bool = False
+
+    def describe(self) -> str:
+        where = f" at {self.at}" if self.at else ""
+        if self.kind == "send":
+            return f"send to rank {self.peer}{where}"
+        if self.kind == "recv":
+            return f"recv from rank {self.peer}{where}"
+        return f"{self.kind}{where}"
+
+
+@dataclass
+class RankState:
+    """What the broker knows of one rank during a call."""
+
+    rank: int
+    sock: socket.socket | None = None
+    alive: bool = True
+    running: bool = False
+    blocked_on: Op | None = None
+    outcome: Returned | RankError | None = None
+    importing: str = ""
+    stack: list[str] | None = None
+
+
+def itemsize(meta: TensorMeta) -> int:
+    dtype = wire.DTYPES.get(meta.dtype)
+    if dtype is None:
+        raise ProtocolError(f"unknown dtype {meta.dtype!r}")
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def tensor_of(meta: TensorMeta, buffer: bytes) -> torch.Tensor:
+    dtype = wire.DTYPES[meta.dtype]
+    if len(buffer) != meta.numel * itemsize(meta):
+        raise ValueError(f"{len(buffer)} bytes for {meta}")
+    if not buffer:
+        return torch.empty(0, dtype=dtype)
+    return torch.frombuffer(bytearray(buffer), dtype=torch.uint8).view(dtype)
+
+
+def describe_collective(op: Op) -> str:
+    sizes = ", ".join(map(str, op.info["inputs"]))
+    root = f" from root {op.info['root']}" if op.kind == "broadcast" else ""
+    return f"{op.kind}{root} of [{sizes}] at {op.at or '?'}"

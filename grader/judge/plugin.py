@@ -1,0 +1,160 @@
+"""The pytest plugin that runs the graded tests in the grader's own process and judges them.
+
+The graded tests are trusted code: they make the inputs (from a seed the
+ranks never see), drive the ranks through :class:`World`, and compare what
+comes back. This plugin gives them their fixtures and turns each test's
+report into a :class:`Verdict`. It is the one place where verdicts are made,
+and it fails closed: a test passes only if its every phase passed; a skip,
+an xfail, an interrupt or anything unexpected is not a pass.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+
+from grader import failures, protocol
+from grader.catalog import GradedTest
+from grader.judge.verdict import Schedule, Verdict
+from grader.launch.world import CallLimits, JobSettings, RankPool, World
+from grader.testkit.record import PartialCredit, TestRecord
+
+OnStart = Callable[[GradedTest], None]
+OnVerdict = Callable[[GradedTest, Verdict], None]
+
+
+@dataclass
+class _Running:
+    test: GradedTest
+    record: TestRecord
+    started: float
+    failure: Verdict | None = None
+    phases_passed: set[str] = field(default_factory=set)
+
+
+class GradingPlugin:
+    def __init__(
+        self,
+        tests: list[GradedTest],
+        settings: JobSettings,
+        on_start: OnStart,
+        on_verdict: OnVerdict,
+    ) -> None:
+        self.tests = {t.nodeid: t for t in tests}
+        self.settings = settings
+        self.on_start = on_start
+        self.on_verdict = on_verdict
+        self.pool = RankPool(max(t.world_size for t in tests), settings)
+        self.judged: set[str] = set()
+        self._running: _Running | None = None
+        self.grader_failure: str | None = None
+
+    # -- fixtures of the graded tests ----------------------------------------------------
+
+    @pytest.fixture
+    def grading(self) -> GradingPlugin:
+        """The running grader, from which ``world`` (tests/graded/conftest.py) gets its ranks."""
+        return self
+
+    def world_for(self, world_size: int) -> World:
+        """The ranks of this test's world size, bound by this test's rules."""
+        assert self._running is not None
+        settings = self._running.test.settings
+        limits = CallLimits(settings.timeout, settings.forbid_collectives, self._running.test.part)
+        return World(world_size, self.pool, limits)
+
+    @pytest.fixture
+    def options(self) -> dict[str, Any]:
+        """The test's ``options`` from grading.yaml (sizes, thresholds)."""
+        assert self._running is not None
+        return dict(self._running.test.settings.options)
+
+    @pytest.fixture
+    def record(self) -> TestRecord:
+        """Figures, partial credit and schedules the test reports beside its outcome."""
+        assert self._running is not None
+        return self._running.record
+
+    # -- collection: exactly the selected tests, one world size after the other ------------
+
+    def pytest_collection_modifyitems(self, items: list[pytest.Item]) -> None:
+        order = {nodeid: i for i, nodeid in enumerate(self.tests)}
+        kept = [item for item in items if item.nodeid in order]
+        kept.sort(key=lambda item: (self.tests[item.nodeid].world_size, order[item.nodeid]))
+        items[:] = kept
+
+    # -- one test ------------------------------------------------------------------------
+
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_protocol(self, item: pytest.Item, nextitem: pytest.Item | None) -> Iterator:
+        test = self.tests[item.nodeid]
+        self._running = _Running(test, TestRecord(), time.monotonic())
+        self.on_start(test)
+        outcome = yield
+        running, self._running = self._running, None
+        if outcome.excinfo is not None and issubclass(outcome.excinfo[0], KeyboardInterrupt):
+            return  # interrupted: no verdict; the grader reports the test as not run
+        self._conclude(running)
+
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_makereport(self, item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator:
+        outcome = yield
+        report: pytest.TestReport = outcome.get_result()
+        running = self._running
+        if running is None:
+            return
+        if report.passed and not hasattr(report, "wasxfail"):
+            running.phases_passed.add(report.when)
+        elif running.failure is None:
+            running.failure = self._verdict_of_failure(call, report)
+
+    def _verdict_of_failure(
+        self, call: pytest.CallInfo[None], report: pytest.TestReport
+    ) -> Verdict:
+        err = call.excinfo.value if call.excinfo is not None else None
+        record = self._running.record if self._running else TestRecord()
+        if isinstance(err, failures.GraderFailure):
+            self.grader_failure = str(err)
+            return Verdict(protocol.ERROR, protocol.clean(str(err)), grader_failure=True)
+        if isinstance(err, failures.RankFailure):
+            return Verdict(err.outcome, protocol.clean(str(err)))
+        if isinstance(err, PartialCredit):
+            return Verdict(protocol.FAILED, protocol.clean(str(err)), fraction=record.fraction)
+        if isinstance(err, AssertionError):
+            message = str(err).split("\nassert ")[0].strip() or "assertion failed"
+            return Verdict(protocol.FAILED, protocol.clean(message))
+        if report.skipped:
+            return Verdict(protocol.ERROR, "the test was skipped: a skipped test earns nothing")
+        if err is None:
+            return Verdict(protocol.ERROR, "the test did not complete")
+        # An exception of the test's own code: a value from the ranks it could not use.
+        return Verdict(protocol.ERROR, protocol.clean(f"{type(err).__name__}: {err}"))
+
+    def _conclude(self, running: _Running) -> None:
+        test, record = running.test, running.record
+        seconds = time.monotonic() - running.started
+        schedule = Schedule(*record.schedule) if record.schedule else None
+        if running.failure is not None:
+            verdict = running.failure
+        elif {"setup", "call", "teardown"} <= running.phases_passed:
+            verdict = Verdict(protocol.PASSED, record.message, fraction=record.fraction)
+        else:
+            verdict = Verdict(protocol.ERROR, "the test did not complete")
+        verdict = Verdict(
+            verdict.outcome,
+            verdict.message,
+            verdict.fraction,
+            dict(record.details),
+            schedule,
+            verdict.grader_failure,
+            seconds,
+        )
+        self.judged.add(test.nodeid)
+        self.on_verdict(test, verdict)
+
+    def close(self) -> None:
+        self.pool.close()

@@ -1,0 +1,111 @@
+"""What torchrun starts on every rank: ``python -m grader.launch.sandboxed JOB_DIR``.
+
+This wrapper is the grader's, and runs outside the sandbox. It reads the
+job's sandbox plan (which the ranks cannot see), starts the worker inside
+the rank's sandbox with its output going to the rank's log, waits for it,
+and leaves its exit status where the grader reads it. It dies with torchrun
+(``PR_SET_PDEATHSIG``) and the sandbox dies with it, so no process of the
+student's outlives the job, even when the grader itself is killed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import json
+import os
+import signal
+import subprocess
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from grader.sandbox import Level, Sandbox
+
+_PR_SET_PDEATHSIG = 1
+
+
+@dataclass(frozen=True)
+class SandboxPlan:
+    """How the ranks of one job are sandboxed; written by the grader into the job directory."""
+
+    level: str
+    socket_dir: str
+    import_dir: str
+    hidden: list[str]
+    readable: list[str]
+    pythonpath: str
+    memory_bytes: int
+    device: str = "cpu"
+
+    def write(self, job_dir: Path) -> None:
+        (job_dir / "sandbox.json").write_text(json.dumps(asdict(self)))
+
+    @classmethod
+    def read(cls, job_dir: Path) -> SandboxPlan:
+        return cls(**json.loads((job_dir / "sandbox.json").read_text()))
+
+
+def exit_path(job_dir: Path, rank: int) -> Path:
+    return job_dir / f"rank{rank}.exit"
+
+
+def log_path(job_dir: Path, rank: int) -> Path:
+    return job_dir / f"rank{rank}.log"
+
+
+def die_with_parent() -> None:
+    if sys.platform == "linux":
+        ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+
+
+def main(job_dir: Path) -> int:
+    die_with_parent()
+    plan = SandboxPlan.read(job_dir)
+    rank = int(os.environ["RANK"])
+    socket = Path(plan.socket_dir) / f"rank{rank}.sock"
+    env = {
+        "RANK": str(rank),
+        "WORLD_SIZE": os.environ["WORLD_SIZE"],
+        "LOCAL_RANK": os.environ.get("LOCAL_RANK", str(rank)),
+        "PYTHONPATH": plan.pythonpath,
+        "PYTHONDONTWRITEBYTECODE": "1",
+        "PYTHONUNBUFFERED": "1",
+        "OMP_NUM_THREADS": "1",
+        "GRADER_DEVICE": plan.device,
+    }
+    sandbox = Sandbox(
+        Level(plan.level),
+        job_dir / "scratch" / f"rank{rank}",
+        hidden=tuple(map(Path, plan.hidden)),
+        readable=tuple(map(Path, plan.readable)),
+        sockets=(socket,),
+        env=env,
+        memory_bytes=plan.memory_bytes,
+    )
+    sandbox.prepare()
+    argv = [sys.executable, "-m", "grader.rank.worker", str(socket), plan.import_dir]
+    with open(log_path(job_dir, rank), "wb") as log:
+        child = subprocess.Popen(
+            sandbox.command(argv),
+            env=sandbox.environment(),
+            preexec_fn=sandbox.pre_exec,
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            cwd=sandbox.scratch,
+        )
+
+    def forward(signum: int, frame: object) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            child.send_signal(signal.SIGKILL)
+
+    signal.signal(signal.SIGTERM, forward)
+    signal.signal(signal.SIGINT, forward)
+    code = child.wait()
+    exit_path(job_dir, rank).write_text(str(code))
+    return code if code >= 0 else 128 - code
+
+
+if __name__ == "__main__":
+    sys.exit(main(Path(sys.argv[1])))

@@ -1,0 +1,375 @@
+"""A job of sandboxed ranks that the graded tests drive from the trusted side.
+
+    out = world.call("collectives.all_reduce", [(tensor_of(r),) for r in range(world.size)])
+    out.args[r][0]     # rank r's tensor after the call
+
+The graded tests run in the grader's own process; the ranks only run the
+student's code on arguments made here and send back what came of them. One
+torchrun job serves every test of a world size; a job that a rank crashed or
+hung in is killed whole and a fresh one starts at the next call.
+:meth:`World.call` returns only when every rank returned normally and the
+broker saw nothing wrong; otherwise it raises the failure that explains
+what happened (:mod:`grader.testkit.failures`), blaming the root cause.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from grader import failures, protocol, wire
+from grader.broker.ops import Problem, Returned
+from grader.broker.server import Broker
+from grader.broker.traffic import Traffic
+from grader.launch.job import TorchrunJob, log_tail
+from grader.launch.sandboxed import SandboxPlan, exit_path, log_path
+from grader.protocol import RankError
+from grader.wire import Frame
+
+_START_SECONDS = 120.0  # torch's import on a loaded laptop, times every rank
+
+
+@dataclass(frozen=True)
+class JobSettings:
+    """What every job of one grading run shares."""
+
+    work_dir: Path
+    import_dir: Path
+    sandbox: str  # a grader.sandbox.Level value
+    hidden: tuple[Path, ...]
+    readable: tuple[Path, ...]
+    pythonpath: str
+    memory_bytes: int
+    device: str = "cpu"
+
+
+@dataclass
+class CallLimits:
+    """The current test's rules for its calls (from grading.yaml)."""
+
+    timeout: float = 30.0
+    forbid_collectives: bool = False
+    part: str = ""
+
+
+@dataclass
+class CallResult:
+    """Every rank's result of one call, and what the broker saw of it."""
+
+    returned: list[Any]
+    args: list[tuple[Any, ...]]
+    rebound: list[tuple[str, ...]]
+    traffic: Traffic
+    seconds: float = 0.0
+
+
+@dataclass
+class _Job:
+    job: TorchrunJob
+    broker: Broker
+    job_dir: Path
+    socket_dir: Path
+    calls: itertools.count = field(default_factory=lambda: itertools.count(1))
+
+
+class World:
+    """The first ``size`` ranks of the pool's job, as one world: what a graded test drives."""
+
+    def __init__(self, size: int, pool: RankPool, limits: CallLimits) -> None:
+        self.size = size
+        self.limits = limits
+        self._pool = pool
+
+    def call(
+        self,
+        function: str | None = None,
+        args: Sequence[Sequence[Any]] = (),
+        *,
+        scenario: str | None = None,
+        case: str = "",
+    ) -> CallResult:
+        """Run ``function`` (``"part.name"`` of the submission) or the grader's ``scenario``
+        (``"part.name"`` in :mod:`grader.scenarios`) on every rank, rank r on ``args[r]``."""
+        if len(args) != self.size:
+            raise ValueError(f"call needs arguments for {self.size} ranks, got {len(args)}")
+        key = "function" if function else "scenario"
+        try:
+            return self._pool.call(
+                self.size, key, function or scenario or "", args, self.limits, case
+            )
+        except (failures.RankFailure, failures.GraderFailure):
+            raise
+        except Exception as err:  # the grader's own machinery: never the student's doing
+            raise failures.GraderFailure(
+                f"the grader failed running {function or scenario}: {type(err).__name__}: {err}"
+            ) from err
+
+
+class RankPool:
+    """One torchrun job of ``size`` sandboxed ranks, serving every smaller world size too.
+
+    A job costs seconds to start (torch's import on every rank), so one job
+    serves the whole grading run: a call at world size n runs on ranks
+    0..n-1, which form a process group of n ranks for it. A job that a rank
+    crashed or hung in is killed whole, and the next call starts a fresh one.
+    """
+
+    def __init__(self, size: int, settings: JobSettings) -> None:
+        self.size = size
+        self.settings = settings
+        self._job: _Job | None = None
+        self._jobs = 0
+        # A part whose import ends or hangs the process is not imported again.
+        self.poisoned: dict[str, failures.RankFailure] = {}
+
+    def call(
+        self,
+        world_size: int,
+        key: str,
+        target: str,
+        args: Sequence[Sequence[Any]],
+        limits: CallLimits,
+        case: str,
+    ) -> CallResult:
+        part = target.split(".")[0]
+        if part in self.poisoned:
+            raise type(self.poisoned[part])(f"not run: {self.poisoned[part]} (in an earlier test)")
+        job = self._running_job()
+        call_id = next(job.calls)
+        frames = []
+        for rank_args in args:
+            node, buffers = wire.pack(list(rank_args))
+            header = {
+                "type": protocol.CALL,
+                "call": call_id,
+                "world_size": world_size,
+                key: target,
+                "args": node,
+            }
+            frames.append(Frame(header, buffers))
+        started = time.monotonic()
+        job.broker.start_call(frames, limits.forbid_collectives)
+        finished = job.broker.wait_call(started + limits.timeout, job.job.running)
+        seconds = time.monotonic() - started
+        if not finished:
+            self._stop_job(job, part, seconds, f" (case: {case})" if case else "")
+        return self._judge(job.broker, world_size, case, seconds)
+
+    def _judge(self, broker: Broker, size: int, case: str, seconds: float) -> CallResult:
+        outcomes = broker.outcomes()
+        suffix = f" (case: {case})" if case else ""
+        problems = list(broker.problems)
+        forbidden = [p for p in problems if p.kind == "forbidden"]
+        if forbidden:
+            raise failures.ForbiddenCall(forbidden[0].message)
+        own = {
+            r: o
+            for r, o in enumerate(outcomes)
+            if isinstance(o, RankError) and o.type != "BrokerRefused"
+        }
+        if own:
+            echoes = [r for r in range(size) if r not in own and _echo(outcomes[r], problems)]
+            raise _student_failure(own, echoes, suffix)
+        if problems:
+            first = min(problems, key=lambda p: _PROBLEM_ORDER.index(p.kind))
+            raise failures.BY_PROBLEM[first.kind](first.message + suffix)
+        returned = [o for o in outcomes if isinstance(o, Returned)]
+        if len(returned) != size:
+            raise failures.CommunicationError("a rank's operation was refused" + suffix)
+        values = [r.value for r in returned]
+        if not all(isinstance(v, dict) and isinstance(v.get("args"), list) for v in values):
+            raise failures.CommunicationError("a rank sent back a malformed result" + suffix)
+        return CallResult(
+            [v.get("returned") for v in values],
+            [tuple(v["args"]) for v in values],
+            [r.rebound for r in returned],
+            broker.traffic,
+            seconds,
+        )
+
+    # -- jobs -------------------------------------------------------------------------------
+
+    def _running_job(self) -> _Job:
+        if self._job is not None and self._job.job.running() and not self._job.broker.dead():
+            return self._job
+        self.close()
+        try:
+            self._job = self._start_job()
+        except failures.GraderFailure:
+            self._job = self._start_job()  # once more, in a fresh job: a busy machine is no fault
+        return self._job
+
+    def _start_job(self) -> _Job:
+        self._jobs += 1
+        job_dir = self.settings.work_dir / f"job{self._jobs}"
+        job_dir.mkdir(parents=True)
+        # A Unix socket's path must be short (108 bytes): not under a deep temporary directory.
+        socket_dir = Path(tempfile.mkdtemp(prefix="grader-sockets-", dir=_short_tmp()))
+        for path in (job_dir, socket_dir):
+            path.chmod(0o711)  # the sandbox's uid reaches its socket, and nothing else here
+        (job_dir / "scratch").mkdir(mode=0o711)
+        SandboxPlan(
+            level=self.settings.sandbox,
+            socket_dir=str(socket_dir),
+            import_dir=str(self.settings.import_dir),
+            hidden=[str(p) for p in self.settings.hidden],
+            readable=[str(p) for p in self.settings.readable],
+            pythonpath=self.settings.pythonpath,
+            memory_bytes=self.settings.memory_bytes,
+            device=self.settings.device,
+        ).write(job_dir)
+        broker = Broker(socket_dir, self.size)
+        job = TorchrunJob(job_dir, self.size, module="grader.launch.sandboxed")
+        job.start()
+        deadline = time.monotonic() + _START_SECONDS
+        while len(broker.connected()) < self.size:
+            if not job.running() or broker.dead() or time.monotonic() > deadline:
+                reason = _first_words(job_dir, self.size) or log_tail(job_dir, 3)
+                job.kill()
+                broker.close()
+                shutil.rmtree(socket_dir, ignore_errors=True)
+                raise failures.GraderFailure(
+                    f"the grader could not start a job of {self.size} ranks: {reason}"
+                )
+            time.sleep(0.02)
+        return _Job(job, broker, job_dir, socket_dir)
+
+    def _stop_job(self, job: _Job, part: str, seconds: float, suffix: str) -> None:
+        """A rank died or is stuck: say which and where, then end the job whole."""
+        broker = job.broker
+        importing = broker.importing()
+        dead = broker.dead()
+        if dead or not job.job.running():
+            time.sleep(0.2)  # let the exit statuses land
+            culprit = _first_dead(job.job_dir, dead or list(range(self.size)))
+            during = "while importing the submission" if culprit in importing else "during the call"
+            failure: failures.RankFailure = failures.Crashed(
+                f"rank {culprit}: the process died {during} ({_exit_text(job.job_dir, culprit)})"
+                + suffix
+                + _last_words(job.job_dir, culprit)
+            )
+        else:
+            stuck = broker.still_running()
+            blocked = broker.blocked()
+            stacks = broker.stacks([r for r in stuck if r not in blocked])
+            parts = []
+            for rank in stuck:
+                if rank in blocked:
+                    parts.append(f"rank {rank} waits in {blocked[rank]}")
+                elif stacks.get(rank):
+                    parts.append(f"rank {rank} is stuck at {stacks[rank][-1]}")
+                else:
+                    parts.append(f"rank {rank} is stuck outside the submission's code")
+            failure = failures.TimedOut(
+                ("; ".join(parts) if parts else "a rank never returned")
+                + f" (stopped after {seconds:.0f} s)"
+                + suffix
+            )
+            culprit = stuck[0] if stuck else -1
+        self.close()
+        if culprit in importing:
+            ends = (
+                "never finishes" if isinstance(failure, failures.TimedOut) else "ends the process"
+            )
+            self.poisoned[part] = type(failure)(f"importing {importing[culprit]} {ends}")
+        raise failure
+
+    def close(self) -> None:
+        if self._job is not None:
+            self._job.job.kill()
+            self._job.broker.close()
+            shutil.rmtree(self._job.socket_dir, ignore_errors=True)
+            self._job = None
+
+
+def _short_tmp() -> str | None:
+    """/tmp when it is writable (short paths), else the system's temporary directory."""
+    return "/tmp" if os.access("/tmp", os.W_OK | os.X_OK) else None
+
+
+_PROBLEM_ORDER = ("protocol", "mismatch", "bad_peer", "disagreement", "deadlock", "unreceived")
+
+
+def _echo(outcome: Returned | RankError | None, problems: list[Problem]) -> bool:
+    """A rank that only suffered from another's failure: its operation was refused."""
+    return (isinstance(outcome, RankError) and outcome.type == "BrokerRefused") or (
+        any(p.kind == "deadlock" for p in problems) and outcome is not None
+    )
+
+
+def _student_failure(
+    own: dict[int, RankError], echoes: list[int], suffix: str
+) -> failures.RankFailure:
+    first_rank, first = min(own.items())
+    same = [r for r, e in own.items() if (e.type, e.message) == (first.type, first.message)]
+    who = f"rank {first_rank}" if len(same) == 1 else f"ranks {_ranks(same)}"
+    if first.type == "NotImplementedError":
+        name = first.raiser or "the function"
+        return failures.NotImplementedYet(f"not implemented yet: {name} raises NotImplementedError")
+    text = f"{who}: {first.type}: {first.message}".rstrip(": ") + first.where() + suffix
+    others = [r for r in own if r not in same]
+    if others:
+        text += f"; rank {others[0]} also raised {own[others[0]].type}"
+    if echoes:
+        text += f"; then {'rank' if len(echoes) == 1 else 'ranks'} {_ranks(echoes)} waited in vain"
+    return failures.StudentError(text)
+
+
+def _ranks(ranks: Sequence[int]) -> str:
+    return ", ".join(map(str, ranks))
+
+
+def _exit_status(job_dir: Path, rank: int) -> int | None:
+    try:
+        return int(exit_path(job_dir, rank).read_text().strip())
+    except (OSError, ValueError):
+        return None
+
+
+def _first_dead(job_dir: Path, candidates: list[int]) -> int:
+    """The rank that died on its own: not one that torchrun stopped after it (SIGKILL)."""
+    for rank in candidates:
+        status = _exit_status(job_dir, rank)
+        if status is not None and status not in (-9, -15):
+            return rank
+    return candidates[0]
+
+
+def _exit_text(job_dir: Path, rank: int) -> str:
+    import signal
+
+    status = _exit_status(job_dir, rank)
+    if status is None:
+        return "no exit status"
+    if status < 0:
+        return f"killed by {signal.Signals(-status).name}"
+    return f"exit status {status}"
+
+
+def _last_words(job_dir: Path, rank: int, limit: int = 300) -> str:
+    """The end of what a dead rank printed (often the reason), cleaned and capped."""
+    try:
+        with open(log_path(job_dir, rank), "rb") as log:
+            log.seek(0, 2)
+            log.seek(max(0, log.tell() - 4096))
+            text = log.read().decode(errors="replace")
+    except OSError:
+        return ""
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    said = protocol.clean(" | ".join(lines[-2:]), limit)
+    return f"; its last output: {said}" if said else ""
+
+
+def _first_words(job_dir: Path, size: int) -> str:
+    for rank in range(size):
+        words = _last_words(job_dir, rank)
+        if words:
+            return words.removeprefix("; its last output: ")
+    return ""

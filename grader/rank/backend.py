@@ -1,0 +1,224 @@
+"""The ``broker`` process-group backend: every message and collective goes to the trusted broker.
+
+Registered with ``torch.distributed.Backend.register_backend``, it is what
+``dist.send``, ``recv``, ``isend``, ``irecv``, ``batch_isend_irecv`` and the
+collectives reach: the student keeps the public ``torch.distributed`` API,
+and the grader sees every byte. There is no other path between ranks (each
+rank is in a network namespace of its own), so nothing can be sent that the
+broker does not count.
+
+A send completes when its receive is posted (gloo's and MPI's synchronous
+send): two ranks that both block in ``send`` to each other deadlock here as
+they would on a cluster, and the broker says so at once. Collectives are
+computed by the broker from every rank's contribution; in a part that must
+build them from messages the broker refuses them instead.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from grader import protocol, wire
+from grader.rank.frames import student_location
+from grader.rank.link import BrokerLink, PendingOp
+from grader.wire import Frame
+
+BACKEND_NAME = "broker"
+
+
+class BrokerWork(dist._Work):
+    """A posted operation as torch sees it: ``wait()`` blocks until the broker completes it."""
+
+    def __init__(self, link: BrokerLink, op: PendingOp, result: list[torch.Tensor]) -> None:
+        super().__init__()
+        self._link = link
+        self._op = op
+        self._future: torch.futures.Future[Any] = torch.futures.Future()
+        self._result = result
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        self._op.wait(self._link)
+        if not self._future.done():
+            self._future.set_result(self._result)
+        return True
+
+    def is_completed(self) -> bool:
+        return self._op.done.is_set()
+
+    def is_success(self) -> bool:
+        return self._op.done.is_set() and self._op.error is None
+
+    def get_future(self) -> torch.futures.Future[Any]:
+        return self._future
+
+    def _finish(self) -> None:
+        """Called on the link's reader thread when the broker answered."""
+        if self._op.error is None and not self._future.done():
+            self._future.set_result(self._result)
+
+
+class BrokerGroup(dist.ProcessGroup):
+    def __init__(self, link: BrokerLink, rank: int, size: int, global_ranks: list[int]) -> None:
+        super().__init__(rank, size)
+        self._link = link
+        self._global = global_ranks
+
+    def getBackendName(self) -> str:
+        return BACKEND_NAME
+
+    # -- point to point ----------------------------------------------------------------------
+
+    def send(self, tensors: list[torch.Tensor], dst: int, tag: int) -> BrokerWork:
+        (tensor,) = tensors
+        return self._post(
+            protocol.SEND,
+            [wire.tensor_buffer(tensor)],
+            [],
+            lambda frame: None,
+            peer=dst,
+            group=self._global,
+            tag=tag,
+            **_meta(tensor),
+        )
+
+    def recv(self, tensors: list[torch.Tensor], src: int, tag: int) -> BrokerWork:
+        (tensor,) = tensors
+
+        def deliver(frame: Frame) -> None:
+            _fill(tensor, frame.buffers[0])
+
+        return self._post(
+            protocol.RECV,
+            [],
+            [tensor],
+            deliver,
+            peer=src,
+            group=self._global,
+            tag=tag,
+            **_meta(tensor),
+        )
+
+    # -- collectives: computed by the broker, or refused where the part forbids them ----------
+
+    def allreduce(self, tensors: list[torch.Tensor], opts: Any) -> BrokerWork:
+        return self._collective("all_reduce", tensors, tensors, reduce_op=_op_name(opts))
+
+    def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any) -> BrokerWork:
+        return self._collective("all_reduce", tensors, tensors, reduce_op=_op_name(opts))
+
+    def broadcast(self, tensors: list[torch.Tensor], opts: Any) -> BrokerWork:
+        return self._collective("broadcast", tensors, tensors, root=opts.rootRank)
+
+    def allgather(
+        self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any
+    ) -> BrokerWork:
+        return self._collective("all_gather", inputs, [t for out in outputs for t in out])
+
+    def reduce_scatter(
+        self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]], opts: Any
+    ) -> BrokerWork:
+        flat = [t for per_rank in inputs for t in per_rank]
+        return self._collective("reduce_scatter", flat, outputs, reduce_op=_op_name(opts))
+
+    def alltoall_base(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        output_splits: list[int],
+        input_splits: list[int],
+        opts: Any,
+    ) -> BrokerWork:
+        pieces = _split(input, input_splits, self.size())
+        outputs = _split(output, output_splits, self.size())
+        return self._collective("all_to_all", pieces, outputs)
+
+    def alltoall(
+        self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any
+    ) -> BrokerWork:
+        return self._collective("all_to_all", inputs, outputs)
+
+    def barrier(self, opts: Any) -> BrokerWork:
+        return self._collective("barrier", [], [])
+
+    # -- plumbing --------------------------------------------------------------------------------
+
+    def _collective(
+        self, name: str, inputs: list[torch.Tensor], outputs: list[torch.Tensor], **extra: Any
+    ) -> BrokerWork:
+        def deliver(frame: Frame) -> None:
+            for tensor, buffer in zip(outputs, frame.buffers, strict=True):
+                _fill(tensor, buffer)
+
+        return self._post(
+            protocol.COLLECTIVE,
+            [wire.tensor_buffer(t) for t in inputs],
+            outputs,
+            deliver,
+            name=name,
+            group=self._global,
+            inputs=[_meta(t) for t in inputs],
+            outputs=[_meta(t) for t in outputs],
+            **extra,
+        )
+
+    def _post(
+        self,
+        kind: str,
+        buffers: list[bytes],
+        result: list[torch.Tensor],
+        deliver: Callable[[Frame], None],
+        **header: Any,
+    ) -> BrokerWork:
+        work: BrokerWork | None = None
+
+        def on_done(frame: Frame) -> None:
+            deliver(frame)
+            if work is not None:
+                work._finish()
+
+        op = self._link.start_op(kind, on_done, buffers, at=student_location(), **header)
+        work = BrokerWork(self._link, op, result)
+        if op.done.is_set():
+            work._finish()
+        return work
+
+
+def _meta(tensor: torch.Tensor) -> dict[str, Any]:
+    return {"dtype": str(tensor.dtype).removeprefix("torch."), "numel": tensor.numel()}
+
+
+def _fill(tensor: torch.Tensor, buffer: bytes) -> None:
+    if len(buffer) != tensor.numel() * tensor.element_size():
+        raise ValueError(f"{len(buffer)} bytes arrived for a tensor of {tensor.numel()} elements")
+    if buffer:
+        data = torch.frombuffer(bytearray(buffer), dtype=torch.uint8).view(tensor.dtype)
+        with torch.no_grad():
+            tensor.copy_(data.view(tensor.shape))
+
+
+def _split(tensor: torch.Tensor, sizes: list[int], parts: int) -> list[torch.Tensor]:
+    if not sizes:
+        return list(tensor.chunk(parts)) if tensor.numel() else [tensor] * parts
+    return list(tensor.split(sizes))
+
+
+def _op_name(opts: Any) -> str:
+    """``ReduceOp.SUM`` as "sum": torch wraps the enum member in a ``ReduceOp`` object."""
+    op = getattr(opts.reduceOp, "op", opts.reduceOp)
+    name = getattr(op, "name", None) or str(op)
+    return name.rsplit(".", 1)[-1].lower()
+
+
+def register(link: BrokerLink) -> None:
+    """Make ``init_process_group("broker")`` and ``new_group`` build groups on ``link``."""
+
+    def create(options: Any, backend_options: Any = None) -> BrokerGroup:
+        ranks = list(options.global_ranks_in_group) or list(range(options.group_size))
+        return BrokerGroup(link, options.group_rank, options.group_size, ranks)
+
+    dist.Backend.register_backend(BACKEND_NAME, create, extended_api=True, devices=["cpu", "cuda"])

@@ -1,0 +1,122 @@
+"""A rank's one connection to the trusted broker, and the operations waiting on it.
+
+The main thread runs the student's code and posts operations (sends,
+receives, collectives); a reader thread takes the broker's answers and
+completes them. Calls to run arrive on the same connection and queue up for
+the main thread. Nothing here is trusted: the broker decides what happened,
+this side only carries it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import queue
+import socket
+import sys
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from grader import protocol, wire
+from grader.wire import Frame
+
+
+class BrokerRefused(RuntimeError):
+    """The broker refused or aborted an operation (a collective where none is allowed,
+    a deadlock, a size mismatch); its message says why."""
+
+
+@dataclass
+class PendingOp:
+    """One posted operation; ``on_done`` runs on the reader thread with the broker's answer."""
+
+    id: int
+    on_done: Callable[[Frame], None]
+    done: threading.Event = field(default_factory=threading.Event)
+    error: str | None = None
+
+    def wait(self, link: BrokerLink) -> None:
+        if not self.done.is_set():
+            link.post(protocol.WAIT, op=self.id)  # the broker now knows this rank is blocked
+            self.done.wait()
+        if self.error is not None:
+            raise BrokerRefused(self.error)
+
+
+_current: BrokerLink | None = None
+
+
+def current() -> BrokerLink | None:
+    """This rank's link, once the worker has connected."""
+    return _current
+
+
+class BrokerLink:
+    def __init__(self, path: str, rank: int) -> None:
+        global _current
+        self.rank = rank
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.connect(path)
+        self._write_lock = threading.Lock()
+        self._ids = itertools.count(1)
+        self._pending: dict[int, PendingOp] = {}
+        self.calls: queue.Queue[Frame | None] = queue.Queue()
+        self.stack_reader: Callable[[], list[str]] = lambda: []
+        threading.Thread(target=self._read, name="broker-link", daemon=True).start()
+        _current = self
+
+    def post(self, kind: str, buffers: list[bytes] | None = None, **header: Any) -> None:
+        frame = Frame({"type": kind, **header}, buffers or [])
+        with self._write_lock:
+            wire.send_frame(self.sock, frame)
+
+    def start_op(
+        self, kind: str, on_done: Callable[[Frame], None], buffers: list[bytes], **header: Any
+    ) -> PendingOp:
+        op = PendingOp(next(self._ids), on_done)
+        self._pending[op.id] = op
+        self.post(kind, buffers, op=op.id, **header)
+        return op
+
+    def _read(self) -> None:
+        try:
+            while (frame := wire.recv_frame(self.sock)) is not None:
+                handler = getattr(self, f"broker_{frame.header['type']}", None)
+                if handler is not None:
+                    handler(frame)
+        except (OSError, wire.WireError):
+            pass
+        # The grader is gone: nothing this rank does can count any more.
+        self.calls.put(None)
+        for op in list(self._pending.values()):
+            op.error = "the grader closed the connection"
+            op.done.set()
+
+    # -- what the broker sends, one method per message -------------------------------------
+
+    def broker_call(self, frame: Frame) -> None:
+        self.calls.put(frame)
+
+    def broker_done(self, frame: Frame) -> None:
+        op = self._pending.pop(frame.header["op"], None)
+        if op is None:
+            return
+        try:
+            op.on_done(frame)
+        except Exception as err:  # a result that does not fit the student's tensor
+            op.error = f"{type(err).__name__}: {err}"
+        op.done.set()
+
+    def broker_refused(self, frame: Frame) -> None:
+        op = self._pending.pop(frame.header["op"], None)
+        if op is not None:
+            op.error = str(frame.header.get("message", "refused by the grader"))
+            op.done.set()
+
+    def broker_dump_stack(self, frame: Frame) -> None:
+        self.post(protocol.STACK, frames=self.stack_reader())
+
+    def broker_exit(self, frame: Frame) -> None:
+        sys.stdout.flush()
+        self.calls.put(None)

@@ -1,0 +1,26 @@
+"""Rank-side scenarios of the strategy parts: the grader's code that drives the student's classes.
+
+A graded test calls ``world.call(scenario="data_parallel.train", args=...)``:
+the rank imports ``grader.scenarios.data_parallel`` and calls ``train(student,
+*args)`` with the student's module. A scenario builds what it is told to,
+runs it, and returns observations (tensors, numbers, lists, dicts); it holds
+no expected value, and the test compares what it returns with a one-process
+oracle computed on the trusted side.
+
+:func:`mark` puts a point in the broker's record of the rank's operations,
+so that a test can see, say, whether an all-reduce was posted before
+``backward()`` returned. It is posted from the rank, so it says what the
+scenario saw, not more.
+"""
+
+from __future__ import annotations
+
+from grader import protocol
+from grader.rank import link as _link
+
+
+def mark(label: str) -> None:
+    """Record ``label`` in the broker's trace of this rank, between its operations."""
+    current = _link.current()
+    if current is not None:
+        current.post(protocol.MARK, label=label)

@@ -1,0 +1,233 @@
+"""The rank-side half of the data_parallel tests: drives DataParallel and ShardedOptimizer.
+
+Each scenario builds what the test sent (a model's initial state, batches, parameters and
+gradients), runs the student's class on it and returns what it saw: parameters after each
+step, gradients after each synchronization, the bytes of optimizer state. It holds no
+expected value; the test compares with a one-process float64 oracle on the trusted side.
+The model class and the optimizer settings live here because both sides need them.
+"""
+
+from __future__ import annotations
+
+import itertools
+from types import ModuleType
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from grader.scenarios import mark
+
+DIM = 8
+OPTIMIZERS: dict[str, tuple[type[torch.optim.Optimizer], dict[str, Any]]] = {
+    "sgd": (torch.optim.SGD, {"lr": 0.1}),
+    "adamw": (torch.optim.AdamW, {"lr": 0.01}),
+}
+# The ShardedOptimizer's cases: optimizer, its kwargs, the second param group's own settings.
+SHARDED: dict[str, tuple[type[torch.optim.Optimizer], dict[str, Any], dict[str, Any]]] = {
+    "sgd_momentum": (
+        torch.optim.SGD,
+        {"lr": 0.1, "momentum": 0.9},
+        {"lr": 0.05, "weight_decay": 0.1},
+    ),
+    "adamw": (
+        torch.optim.AdamW,
+        {"lr": 0.01, "weight_decay": 0.1},
+        {"lr": 0.03, "betas": (0.8, 0.9)},
+    ),
+}
+# The first param group's own settings, in the test that gives it some (else the defaults).
+FIRST_SETTINGS: dict[str, dict[str, Any]] = {
+    "sgd_momentum": {"lr": 0.02, "momentum": 0.5},
+    "adamw": {"lr": 0.002, "betas": (0.85, 0.95), "weight_decay": 0.3},
+}
+FIRST_GROUP = 4  # parameters 0..3 are the first param group, the rest are added later
+Batches = list[tuple[Tensor, Tensor]]
+
+
+class TiedNet(nn.Module):
+    """embed and head share one weight; ``frozen`` is not trained; ``scale`` is a buffer.
+
+    Each feature hides a classic DDP mistake: the tied weight is counted twice by code that
+    hooks every (module, parameter) pair, the frozen layer is given a gradient by code that
+    ignores ``requires_grad``, and the buffer differs between ranks unless it is broadcast.
+    ``use_hidden=False`` skips ``hidden``: its parameters get no gradient in that iteration,
+    on every rank, so their hooks never fire (the bucket that waits for them must still go).
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Linear(DIM, DIM, bias=False)
+        self.frozen = nn.Linear(DIM, DIM).requires_grad_(False)
+        self.hidden = nn.Linear(DIM, DIM)
+        self.head = nn.Linear(DIM, DIM)
+        self.head.weight = self.embed.weight
+        self.register_buffer("scale", torch.ones(DIM))
+
+    def forward(self, x: Tensor, use_hidden: bool = True) -> Tensor:
+        h = self.frozen(torch.tanh(self.embed(x) * self.scale))
+        return self.head(torch.tanh(self.hidden(h) if use_hidden else h))
+
+
+def tensors_of(module: nn.Module) -> dict[str, Tensor]:
+    """Parameters (a tied one once) and buffers by name: a model's whole state."""
+    return dict(itertools.chain(module.named_parameters(), module.named_buffers()))
+
+
+def build(state: dict[str, Tensor]) -> TiedNet:
+    """A float64 TiedNet holding ``state`` (made on the trusted side, from its secret seed)."""
+    net = TiedNet().double()
+    with torch.no_grad():
+        for name, tensor in tensors_of(net).items():
+            tensor.copy_(state[name])
+    return net
+
+
+def _snapshot(tensors: dict[str, Tensor]) -> dict[str, Tensor]:
+    return {name: t.detach().clone() for name, t in tensors.items()}
+
+
+def _grads(module: nn.Module) -> dict[str, Tensor | None]:
+    return {
+        name: None if q.grad is None else q.grad.detach().clone()
+        for name, q in module.named_parameters()
+    }
+
+
+def train(
+    student: ModuleType,
+    state: dict[str, Tensor],
+    optimizer: str,
+    bucket_size_mb: float,
+    batches: Batches,
+    unused: int = 0,
+) -> dict[str, Any]:
+    """Wrap a TiedNet holding ``state`` and train it on this rank's slice of each batch.
+
+    In iteration ``unused`` (1-based; 0: none) the model skips its ``hidden`` layer.
+
+    Returns the wrapped model's state right after wrapping (``initial``), every parameter's
+    gradient after each synchronization (``grads``) and the parameters after each step
+    (``params``). If the wrapper keeps no ``.module``, ``module`` names what it holds instead
+    and nothing is trained.
+    """
+    dp = student.DataParallel(build(state), bucket_size_mb=bucket_size_mb)
+    module = getattr(dp, "module", None)
+    if not isinstance(module, nn.Module):
+        return {"module": type(module).__name__}
+    seen: dict[str, Any] = {"module": "", "initial": _snapshot(tensors_of(module))}
+    seen["grads"], seen["params"] = [], []
+    cls, kwargs = OPTIMIZERS[optimizer]
+    opt = cls(module.parameters(), **kwargs)
+    for step, (x, y) in enumerate(batches, start=1):
+        F.mse_loss(dp(x, use_hidden=step != unused), y).backward()
+        dp.finish_gradient_synchronization()
+        seen["grads"].append(_grads(module))
+        opt.step()
+        seen["params"].append(_snapshot(dict(module.named_parameters())))
+        opt.zero_grad()
+    return seen
+
+
+def _checkpoint(label: str) -> None:
+    """Mark ``label`` after every collective that any rank posted before this point.
+
+    The broker records a collective when its last rank posts it, so an all-reduce this rank
+    posted during backward could otherwise land after a mark made right after backward. A
+    barrier completes only once every rank has posted everything before it: the mark then
+    follows all of those, and an all-reduce posted only after the mark still follows it.
+    """
+    dist.barrier()
+    mark(label)
+
+
+def overlap(
+    student: ModuleType, state: dict[str, Tensor], bucket_size_mb: float, batches: Batches
+) -> None:
+    """Backward and synchronization of each batch, between marks the test reads.
+
+    ``backward`` before ``loss.backward()``, ``backward returned`` right after it returned,
+    ``finished`` after ``finish_gradient_synchronization()``: the broker's record of the
+    all-reduces between them shows whether communication started during backward.
+    """
+    dp = student.DataParallel(build(state), bucket_size_mb=bucket_size_mb)
+    for x, y in batches:
+        loss = F.mse_loss(dp(x), y)
+        _checkpoint("backward")
+        loss.backward()
+        _checkpoint("backward returned")
+        dp.finish_gradient_synchronization()
+        _checkpoint("finished")
+
+
+def state_bytes(optimizer: torch.optim.Optimizer) -> list[int]:
+    """Bytes of state per entry of ``optimizer.state`` and of the state of every optimizer it
+    holds as an attribute (alone, or in a list, tuple or dict), each tensor counted once."""
+    found = [optimizer]
+    for value in vars(optimizer).values():
+        items = list(value.values()) if isinstance(value, dict) else value
+        for item in items if isinstance(items, list | tuple) else [items]:
+            if isinstance(item, torch.optim.Optimizer) and item not in found:
+                found.append(item)
+    seen: set[int] = set()
+    per_entry = [0]
+    for o in found:
+        for entry in o.state.values():
+            fresh = [t for t in dict(entry).values() if isinstance(t, Tensor) and id(t) not in seen]
+            seen.update(id(t) for t in fresh)
+            per_entry.append(sum(t.nbytes for t in fresh))
+    return per_entry
+
+
+def param_groups(
+    initial: list[Tensor],
+    second: dict[str, Any],
+    first: dict[str, Any] | None = None,
+    split: int = FIRST_GROUP,
+) -> tuple[list[nn.Parameter], list[dict[str, Any]]]:
+    """Parameters holding ``initial``, in two param groups: ``initial[:split]`` with ``first``'s
+    settings, the rest with ``second``'s. Both sides build them alike: the rank for the
+    student's optimizer, the test for the unsharded one."""
+    params = [nn.Parameter(t.clone()) for t in initial]
+    return params, [
+        {"params": params[:split], **(first or {})},
+        {"params": params[split:], **second},
+    ]
+
+
+def sharded(
+    student: ModuleType,
+    optimizer: str,
+    initial: list[Tensor],
+    grads: list[list[Tensor | None]],
+    own_first: bool = False,
+    split: int = FIRST_GROUP,
+) -> dict[str, Any]:
+    """Steps of the student's ShardedOptimizer over ``initial``, in two param groups.
+
+    The first group (``initial[:split]``, with ``FIRST_SETTINGS`` if ``own_first``) goes to the
+    constructor; the second is added with ``add_param_group`` and has its own hyperparameters.
+    Before step s every parameter i gets ``grads[s][i]`` (None: no gradient). Returns the
+    parameters after each step (``params``), the parameters still holding a nonzero gradient
+    after each ``zero_grad()`` (``kept``) and the bytes of optimizer state found on this rank.
+    """
+    cls, kwargs, second = SHARDED[optimizer]
+    first = FIRST_SETTINGS[optimizer] if own_first else None
+    params, (group, later) = param_groups(initial, second, first, split)
+    opt = student.ShardedOptimizer([group], cls, **kwargs)
+    opt.add_param_group(later)
+    seen: dict[str, Any] = {"params": [], "kept": []}
+    for step_grads in grads:
+        for q, g in zip(params, step_grads, strict=True):
+            q.grad = None if g is None else g.clone()
+        opt.step()
+        seen["params"].append([q.detach().clone() for q in params])
+        opt.zero_grad()
+        kept = [i for i, q in enumerate(params) if q.grad is not None and bool(q.grad.any())]
+        seen["kept"].append(kept)
+    # An observation, not a verdict: what this rank's optimizers hold, as measured here. The
+    # test judges it against the unsharded optimizer's state, computed on the trusted side.
+    seen["state_bytes"] = sum(state_bytes(opt))
+    return seen

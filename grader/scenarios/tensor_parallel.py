@@ -1,0 +1,142 @@
+"""Rank-side scenarios of the tensor_parallel part: shard full layers, run them, report back.
+
+The trusted side makes every weight, input and upstream gradient and sends each rank
+what it needs; a scenario builds the full ``nn.Linear`` layers from them, lets the
+submission shard them, runs one forward and one backward, and returns what it saw (the
+shard, the output, the gradients). It holds no expected value: the graded test compares
+what comes back with the full layers run in float64 on the trusted side.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from grader.scenarios import mark
+
+
+def linear(weight: Tensor, bias: Tensor) -> nn.Linear:
+    """The full ``nn.Linear`` of ``weight`` and ``bias``, in their dtype: both sides build it."""
+    out_features, in_features = weight.shape
+    with torch.device("meta"):  # no random draws: the values come from the trusted side
+        layer = nn.Linear(in_features, out_features, dtype=weight.dtype)
+    layer.weight = nn.Parameter(weight.detach().clone())
+    layer.bias = nn.Parameter(bias.detach().clone())
+    return layer
+
+
+def _tensor(value: object) -> Tensor | None:
+    return value.detach().clone() if isinstance(value, Tensor) else None
+
+
+def _grad(module: nn.Module | None, name: str) -> Tensor | None:
+    value = getattr(module, name, None)
+    return value.grad if isinstance(value, Tensor) else None
+
+
+def _run_layer(layer: nn.Module, full: nn.Linear, x: Tensor, grad: Tensor) -> dict:
+    """The shard as built, then one forward and backward of the layer on ``x``."""
+    seen: dict[str, Any] = {
+        "linear_weight": full.weight.detach().clone(),  # from_linear must leave it as it was
+        "weight": _tensor(getattr(layer, "weight", None)),
+        "bias": _tensor(getattr(layer, "bias", None)),
+    }
+    y = layer(x.requires_grad_())
+    seen["output_type"] = type(y).__name__
+    if isinstance(y, Tensor):
+        y.backward(grad)
+        seen["output"] = y
+    seen["input_grad"] = x.grad
+    seen["weight_grad"] = _grad(layer, "weight")
+    seen["bias_grad"] = _grad(layer, "bias")
+    return seen
+
+
+def column_forward_backward(
+    student: ModuleType, weight: Tensor, bias: Tensor, x: Tensor, grad: Tensor, gather: bool
+) -> dict:
+    """``ColumnParallelLinear.from_linear(full, gather_output=gather)``, run on ``x``."""
+    full = linear(weight, bias)
+    layer = student.ColumnParallelLinear.from_linear(full, gather_output=gather)
+    return _run_layer(layer, full, x, grad)
+
+
+def row_forward_backward(
+    student: ModuleType, weight: Tensor, bias: Tensor, x: Tensor, grad: Tensor, parallel: bool
+) -> dict:
+    """``RowParallelLinear.from_linear(full, input_is_parallel=parallel)``, run on ``x``."""
+    full = linear(weight, bias)
+    layer = student.RowParallelLinear.from_linear(full, input_is_parallel=parallel)
+    return _run_layer(layer, full, x, grad)
+
+
+def region_forward_backward(student: ModuleType, function: str, x: Tensor, grad: Tensor) -> dict:
+    """One of the four autograd functions on the (non-contiguous) leaf ``x``, then backward.
+
+    ``x`` comes back in the call's ``args``: the function must leave it as it was.
+    """
+    y = getattr(student, function)(x.requires_grad_())
+    seen: dict[str, Any] = {"output_type": type(y).__name__}
+    if isinstance(y, Tensor):
+        seen["output"] = y.detach().clone()  # before backward: nothing may change it later
+        y.backward(grad)
+    seen["input_grad"] = x.grad
+    return seen
+
+
+def _find(mlp: nn.Module, cls: type) -> nn.Module | None:
+    return next((m for m in mlp.modules() if isinstance(m, cls)), None)
+
+
+def mlp_forward_backward(
+    student: ModuleType,
+    fc1: tuple[Tensor, Tensor],
+    fc2: tuple[Tensor, Tensor],
+    x: Tensor,
+    grad: Tensor,
+) -> dict:
+    """``ParallelMLP.from_linears(fc1, fc2)`` run on ``x``, with its layers' gradients.
+
+    The broker's trace gets a mark before the forward, the backward and after both, so
+    the communication test can tell which phase an operation belongs to.
+    """
+    mlp = student.ParallelMLP.from_linears(linear(*fc1), linear(*fc2))
+    column = _find(mlp, student.ColumnParallelLinear)
+    row = _find(mlp, student.RowParallelLinear)
+    mark("forward")
+    y = mlp(x.requires_grad_())
+    mark("backward")
+    if isinstance(y, Tensor):
+        y.backward(grad)
+    mark("end")
+    return {
+        "has_column": column is not None,
+        "has_row": row is not None,
+        "output_type": type(y).__name__,
+        "output": y if isinstance(y, Tensor) else None,
+        "input_grad": x.grad,
+        "fc1 weight": _grad(column, "weight"),
+        "fc1 bias": _grad(column, "bias"),
+        "fc2 weight": _grad(row, "weight"),
+        "fc2 bias": _grad(row, "bias"),
+    }
+
+
+def construct(student: ModuleType, layer: str, how: str, sizes: dict[str, int]) -> str | None:
+    """Build ``layer`` with ``sizes`` directly (``how="init"``) or ``from_linear``.
+
+    Returns the ``ValueError``'s message if it raised one, ``None`` if it did not; any
+    other exception is the submission's failure.
+    """
+    cls = getattr(student, layer)
+    try:
+        if how == "init":
+            cls(**sizes)
+        else:
+            cls.from_linear(nn.Linear(**sizes))
+    except ValueError as err:
+        return str(err)
+    return None

@@ -1,0 +1,87 @@
+"""Comparing float64 results with a one-process oracle, and blaming the ranks that differ.
+
+The strategy parts (data parallelism, the sharded optimizer) check every rank's result against
+the same work done here in float64: any honest summation order agrees to ~1e-15, so a tolerance
+of 1e-9 leaves no bug unseen, and anything within 1e-5 but not 1e-9 is float32 arithmetic.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+
+def close(got: Any, want: Tensor, tolerance: float = 1e-9) -> bool:
+    """``got`` is a tensor of ``want``'s shape within ``tolerance`` (relative, plus absolute)."""
+    return (
+        isinstance(got, Tensor)
+        and got.shape == want.shape
+        and bool(((got.double() - want.double()).abs() <= tolerance * (1 + want.abs())).all())
+    )
+
+
+def close_in_float32(got: Any, want: Tensor) -> bool:
+    """Within float32's precision of ``want`` (a float64 result computed in float32 somewhere)."""
+    return close(got, want, 1e-5)
+
+
+def _fmt(value: float, digits: int) -> str:
+    return f"{value:.{digits}g}"
+
+
+def difference(got: Any, want: Tensor) -> str:
+    """How ``got`` differs from ``want``: its shape, or the largest error and where it is.
+
+    Six digits show most errors; values that agree to six digits (float32 rounding) are shown
+    with as many more as it takes to tell them apart.
+    """
+    if not isinstance(got, Tensor) or got.shape != want.shape:
+        shape = tuple(got.shape) if isinstance(got, Tensor) else type(got).__name__
+        return f"has shape {shape}, expected {tuple(want.shape)}"
+    got, want = got.detach().double(), want.detach().double()
+    error = (got - want).abs()
+    at = tuple(int(i) for i in torch.unravel_index(error.argmax(), error.shape))
+    digits = 6
+    while digits < 17 and _fmt(float(want[at]), digits) == _fmt(float(got[at]), digits):
+        digits += 3
+    return (
+        f"differs by {float(error.max()):.3g} (max abs; at {list(at)}: expected "
+        f"{_fmt(float(want[at]), digits)}, got {_fmt(float(got[at]), digits)})"
+    )
+
+
+def uniform_factor(got: dict[str, Any], want: dict[str, Tensor]) -> float | None:
+    """The factor c with got[n] == c * want[n] for every name, if there is one and it is not 1.
+
+    A uniform factor is the signature of a wrong scaling (summed, averaged twice, a hard-coded
+    divisor); the least-squares c is checked on every element before it is named.
+    """
+    if not want or not all(isinstance(got.get(n), Tensor) for n in want):
+        return None
+    dot = sum(float((got[n].double() * w.double()).sum()) for n, w in want.items())
+    norm = sum(float((w.double() ** 2).sum()) for w in want.values())
+    if norm == 0:
+        return None
+    factor = dot / norm
+    if abs(factor - 1) < 1e-6 or not all(close(got[n], factor * w) for n, w in want.items()):
+        return None
+    return factor
+
+
+def blame(what: str, problems: Sequence[str | None]) -> None:
+    """Fail naming the first rank with a problem, and the other ranks that share it."""
+    wrong = [r for r, problem in enumerate(problems) if problem]
+    if not wrong:
+        return
+    first, *rest = wrong
+    same = [r for r in rest if problems[r] == problems[first]]
+    others = [r for r in rest if r not in same]
+    message = f"rank {first}: {what}: {problems[first]}"
+    if same:
+        message += f" (the same on rank{'s' * (len(same) > 1)} {', '.join(map(str, same))})"
+    if others:
+        message += f"; rank {others[0]} is wrong too: {problems[others[0]]}"
+    raise AssertionError(message)

@@ -1,0 +1,116 @@
+"""A determined student against the grader: every attack earns nothing and leaves nothing behind.
+
+``submissions/attack_mix`` attacks differently in each function (skips and
+interrupts, patched comparisons, the reference imported or read from disk,
+collectives by back doors, side channels, the caller's frames and the old
+public seed, a frozen clock and idle cost-size calls, a daemon that forges
+results.json later, garbage on the broker's socket, a huge message of
+escape sequences). The grader must give each 0, write a clean results.json,
+and leave no process, file or shared-memory segment behind; an honest
+submission graded afterwards scores what it scored before.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+from runner import REPO, SUBMISSIONS, run_grader
+
+from grader.protocol import MAX_TEXT
+
+ATTACKED = ("broadcast", "reduce", "all_reduce", "scatter", "gather", "all_gather",
+            "reduce_scatter", "all_to_all")  # fmt: skip
+
+
+def _leftovers(scratch: Path) -> set[str]:
+    """What a grading could leave behind: a process or file of its own (every one of them
+    has the grader's temporary directory, under ``scratch``, in its command line or path),
+    the daemon of the attack, or a side channel's file on the host."""
+    found = {f"file {p}" for p in scratch.rglob("*")}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                cmdline = Path(f"/proc/{entry}/cmdline").read_bytes().replace(b"\0", b" ")
+            except OSError:
+                continue
+            if str(scratch).encode() in cmdline or b"sleep 1007" in cmdline:
+                found.add(f"process {entry}: {cmdline.decode(errors='replace')[:80]}")
+    for directory in ("/tmp", "/dev/shm", "/var/tmp"):
+        for name in os.listdir(directory):
+            if name.startswith("side-channel") or name == "results.json":
+                found.add(f"file {directory}/{name}")
+    return found
+
+
+def _grade(tmp_path: Path, submission: Path, *args: str) -> dict:
+    """Grade in ``tmp_path``; the grader's own temporary files go to ``tmp_path/tmp``."""
+    scratch = tmp_path / "tmp"
+    scratch.mkdir(exist_ok=True)
+    done = run_grader(
+        ["--config", str(REPO / "tests/graded/grading.yaml"), "run", "collectives",
+         "--submission", str(submission), "--results", "results.json", *args],
+        cwd=tmp_path,
+        env={"TMPDIR": str(scratch)},
+    )  # fmt: skip
+    assert done.returncode in (0, 1), done.stderr
+    assert "Traceback" not in done.stdout + done.stderr
+    return json.loads((tmp_path / "results.json").read_text())
+
+
+def test_every_attack_earns_nothing_and_leaves_nothing_behind(tmp_path: Path) -> None:
+    results = _grade(tmp_path, SUBMISSIONS / "attack_mix", "--world-size", "2")
+    assert results["score"] == 0
+    by_target = {}
+    for test in results["tests"]:
+        by_target.setdefault(test["extra_data"]["target"].split(".")[1], []).append(test)
+        assert test["score"] == 0 and test["status"] == "failed", test["name"]
+        assert "\x1b" not in test["output"] and "\r" not in test["output"]
+        assert len(test["output"]) <= MAX_TEXT
+    assert set(by_target) == set(ATTACKED)
+    outcome = {t: tests[0]["extra_data"]["outcome"] for t, tests in by_target.items()}
+    assert outcome["broadcast"] == "error"  # a skip or an interrupt is no pass
+    assert outcome["all_reduce"] == "forbidden"  # the reference was nowhere to be found
+    assert "All tests passed!" in by_target["reduce_scatter"][0]["output"]  # shown, defused
+    assert results["extra_data"]["sandbox"] == "namespaces"
+    assert any("opens network sockets" in line for line in results["extra_data"]["review"])
+    time.sleep(3)  # the daemon meant to forge results.json two seconds after its call
+    assert json.loads((tmp_path / "results.json").read_text()) == results
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["results.json", "tmp"]
+    assert _leftovers(tmp_path / "tmp") == set()
+
+
+def test_a_module_that_skips_itself_at_import_is_not_passed(tmp_path: Path) -> None:
+    results = _grade(tmp_path, SUBMISSIONS / "attack_import_skip", "--world-size", "2")
+    assert results["score"] == 0
+    for test in results["tests"]:
+        assert test["extra_data"]["outcome"] == "error", test["name"]
+    assert "Skipped: this module has nothing to grade" in results["tests"][0]["output"]
+
+
+def test_links_and_fifos_in_a_submission_are_never_opened(tmp_path: Path) -> None:
+    submission = tmp_path / "upload"
+    submission.mkdir()
+    (submission / "collectives.py").symlink_to(REPO / "reference" / "collectives.py")
+    os.mkfifo(submission / "data_parallel.py")  # opening it for reading would block forever
+    results = _grade(tmp_path, submission, "-k", "all_reduce", "--world-size", "2")
+    assert results["score"] == 0
+    for test in results["tests"]:
+        assert test["extra_data"]["outcome"] == "not_run"
+        assert test["output"] == "not submitted: the submission has no collectives.py"
+    review = results["extra_data"]["review"]
+    assert "left out of the submission: collectives.py: not a regular file" in review
+    assert "left out of the submission: data_parallel.py: not a regular file" in review
+
+
+def test_an_honest_submission_scores_the_same_after_the_attacks(tmp_path: Path) -> None:
+    first, second = tmp_path / "first", tmp_path / "second"
+    first.mkdir()
+    second.mkdir()
+    selection = ("-k", "all_reduce", "--world-size", "3")
+    before = _grade(first, REPO / "reference", *selection)
+    _grade(tmp_path, SUBMISSIONS / "attack_mix", *selection)
+    after = _grade(second, REPO / "reference", *selection)
+    assert before["score"] == after["score"] == sum(t["max_score"] for t in before["tests"])

@@ -1,0 +1,195 @@
+"""The terminal summary, from made-up results: fast, no job.
+
+A student reads a matrix (function x world size, then the costs) and one root
+cause per function; the rest is counted, not printed. Partial credit is shown as
+such, never as a failure. Piped output is not cut at 80 columns.
+"""
+
+from __future__ import annotations
+
+import io
+
+from rich.console import Console
+
+from grader import protocol
+from grader.catalog import GradedTest
+from grader.config import TestSettings as Settings
+from grader.judge.verdict import Verdict
+from grader.report.results import GradedResult
+from grader.report.summary import fix_first, part_matrix
+from grader.report.terminal import print_summary
+
+WRONG = "rank 0: {f} of float32[{n}]: element 0: expected 0.5, got 0.25 (rank 1's input alone)"
+
+
+def result(
+    name: str,
+    size: int,
+    outcome: str = protocol.PASSED,
+    *,
+    kind: str = "correctness",
+    message: str = "",
+    points: float = 1.0,
+    score: float | None = None,
+    target: str = "",
+) -> GradedResult:
+    settings = Settings((size,), points, 10.0, "visible", True)
+    function = target or name.split("[")[-1].rstrip("]")
+    test = GradedTest("collectives", name, name, f"collectives.{function}", kind, size, settings)
+    earned = (points if outcome == protocol.PASSED else 0.0) if score is None else score
+    return GradedResult(test, Verdict(outcome, message), earned)
+
+
+def broken_all_reduce() -> list[GradedResult]:
+    """all_reduce wrong at every world size (its cost tests too), broadcast right but slow."""
+    results = [result("broadcast", p) for p in (1, 2, 3, 4)]
+    results += [result("all_reduce", 1)]
+    results += [
+        result("all_reduce", p, protocol.FAILED, message=WRONG.format(f="all_reduce", n=p))
+        for p in (2, 3, 4)
+    ]
+    results += [
+        result(
+            "communication[all_reduce]",
+            p,
+            protocol.FAILED,
+            kind="communication",
+            points=0.5,
+            message=WRONG.format(f="all_reduce", n=49152),
+        )
+        for p in (2, 3, 4)
+    ]
+    results += [
+        result(
+            "communication[broadcast]",
+            p,
+            protocol.FAILED,
+            kind="communication",
+            points=0.5,
+            score=0.25,
+            message=f"the busiest rank moved 1.{p}x the bound",
+        )
+        for p in (2, 3)
+    ]
+    results += [result("communication[broadcast]", 4, kind="communication", points=0.5)]
+    results += [
+        result(
+            "performance[all_reduce]",
+            2,
+            protocol.NOT_RUN,
+            kind="performance",
+            points=0.5,
+            message="not run: the job ended",
+        )
+    ]
+    return results
+
+
+def render(results: list[GradedResult], *, verbose: bool = False, width: int = 200) -> str:
+    out = io.StringIO()
+    console = Console(file=out, width=width, color_system=None)
+    print_summary(console, results, 1.0, verbose=verbose)
+    return out.getvalue()
+
+
+def test_matrix_has_a_row_per_function_and_a_column_per_world_size() -> None:
+    out = io.StringIO()
+    Console(file=out, width=200, color_system=None).print(
+        part_matrix("collectives", broken_all_reduce())
+    )
+    lines = out.getvalue().splitlines()
+    header = next(line for line in lines if "function" in line)
+    assert header.split() == [
+        "function",
+        "p=1",
+        "p=2",
+        "p=3",
+        "p=4",
+        "communication",
+        "performance",
+        "points",
+    ]
+    broadcast = next(line for line in lines if line.split()[:1] == ["broadcast"])
+    assert broadcast.split() == [
+        "broadcast",
+        "✓",
+        "✓",
+        "✓",
+        "✓",
+        "partial",
+        "p=2,3",
+        "5",
+        "/",
+        "5.5",
+    ]
+    all_reduce = next(line for line in lines if line.split()[:1] == ["all_reduce"])
+    assert all_reduce.split() == [
+        "all_reduce",
+        "✓",
+        "✗",
+        "✗",
+        "✗",
+        "✗",
+        "not",
+        "run",
+        "1",
+        "/",
+        "6",
+    ]
+    assert next(line for line in lines if "total" in line).split()[-3:] == ["6", "/", "11.5"]
+
+
+def test_a_cost_column_marks_the_world_sizes_that_did_not_pass() -> None:
+    results = [
+        result("communication[all_gather]", 3, protocol.ERROR, kind="communication", points=0.5),
+        result("communication[all_gather]", 4, kind="communication", points=0.5),
+    ]
+    out = io.StringIO()
+    Console(file=out, width=200, color_system=None).print(part_matrix("collectives", results))
+    row = next(line for line in out.getvalue().splitlines() if "all_gather" in line)
+    assert row.split() == ["all_gather", "error", "p=3", "0.5", "/", "1"]
+
+
+def test_root_cause_per_function_at_its_smallest_world_size_then_one_line() -> None:
+    fixes = fix_first(broken_all_reduce())
+    shown = [(r.test.name, r.test.world_size) for r in fixes.shown]
+    assert shown == [("all_reduce", 2), ("communication[broadcast]", 2)]
+    assert (fixes.repeated, fixes.not_run) == (6, 1)
+    text = render(broken_all_reduce())
+    assert "and 7 more tests of the same functions (6 failing the same way, 1 not run)" in text
+    assert "--verbose" in text
+
+
+def test_a_different_problem_of_the_same_function_is_still_shown() -> None:
+    results = [
+        result("gather", 2, protocol.FAILED, message=WRONG.format(f="gather", n=1)),
+        result("gather", 3, protocol.TIMEOUT, message="rank 1 still in recv from rank 0"),
+        result("gather", 4, protocol.TIMEOUT, message="rank 3 still in recv from rank 0"),
+    ]
+    fixes = fix_first(results)
+    assert [r.test.world_size for r in fixes.shown] == [2, 3]
+    assert (fixes.repeated, fixes.not_run) == (1, 0)
+
+
+def test_partial_credit_is_partial_not_failed() -> None:
+    text = render(broken_all_reduce())
+    line = next(
+        line for line in text.splitlines() if "communication[broadcast] (world size 2" in line
+    )
+    assert "partial: 0.25 of 0.5 points" in line
+    assert "2 with partial credit" in text
+
+
+def test_verbose_lists_every_test_and_every_failure() -> None:
+    text = render(broken_all_reduce(), verbose=True)
+    assert "communication[all_reduce]" in text and "world size" in text
+    assert "more tests" not in text
+    for name, size in [("all_reduce", 3), ("all_reduce", 4), ("communication[all_reduce]", 4)]:
+        assert f"{name} (world size {size}): " in text
+
+
+def test_a_long_message_stays_on_one_line_in_a_log() -> None:
+    long = "x" * 150
+    results = [result("gather", 2, protocol.FAILED, message=long)]
+    text = render(results, width=200)
+    assert any(line.endswith(long) for line in text.splitlines())
