@@ -117,7 +117,8 @@ def main() -> None:
     try:
         print(f"{args.iterations} ring steps of {args.megabytes:g} MB messages")
         for p in (2, 4):
-            broker = through_broker(work, p, elements, args.iterations)
+            (work / f"p{p}").mkdir(mode=0o711)
+            broker = through_broker(work / f"p{p}", p, elements, args.iterations)
             gloo = over_gloo(work, p, elements, args.iterations)
             print(
                 f"{p} ranks: broker {payload / broker / 1e6:8.1f} MB/s per rank, "

@@ -10,3 +10,6 @@ python3 -m pip install --index-url https://download.pytorch.org/whl/cpu torch==2
 # Then the grader itself, not editable: the package is copied into site-packages and
 # finds this folder's tests/graded/ through run_autograder's --config.
 python3 -m pip install .
+# Where namespaces are refused (Gradescope's containers), the ranks run as an unprivileged
+# uid: the course (the graded tests, their configuration) must be unreadable to it.
+chmod -R o-rwx "$root/source"
