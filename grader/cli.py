@@ -357,8 +357,8 @@ def _list(console: Console, config: GradingConfig, parts: list[str]) -> int:
 
 
 def _bench(console: Console, args: argparse.Namespace, modules: list[str]) -> int:
-    from grader.bench.calls import COLLECTIVES
     from grader.bench.runner import DEFAULT_SIZES, plot, print_tables, run_bench
+    from grader.testkit.calls import COLLECTIVES
 
     if any(part != "collectives" for part in args.parts):
         raise _UsageError("grader bench measures the collectives part only")

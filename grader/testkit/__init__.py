@@ -12,7 +12,7 @@ A graded test runs in the grader's own process and drives the ranks::
 from grader import failures
 from grader.broker.traffic import Event, Traffic
 from grader.launch.world import CallResult, World
-from grader.testkit.compare import check_close, check_unchanged
+from grader.testkit.compare import check_close, check_unchanged, on_every_rank
 from grader.testkit.data import generator, rank_tensor
 from grader.testkit.record import TestRecord
 
@@ -26,5 +26,6 @@ __all__ = [
     "check_unchanged",
     "failures",
     "generator",
+    "on_every_rank",
     "rank_tensor",
 ]

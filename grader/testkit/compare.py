@@ -175,3 +175,22 @@ def _fmt(number: float, digits: int = 6) -> str:
     if number.is_integer() and abs(number) < 1e15:
         return str(int(number))
     return f"{number:.{digits}g}"
+
+
+def on_every_rank(p: int, check: Callable[[int], None]) -> None:
+    """Run ``check(r)`` for every rank; fail with the lowest rank's first problem.
+
+    The ranks that failed with the very same message are named after it, so a student
+    sees at once whether a mistake is on one rank or everywhere.
+    """
+    problems: dict[int, str] = {}
+    for r in range(p):
+        try:
+            check(r)
+        except AssertionError as err:
+            problems[r] = str(err)
+    if problems:
+        first, text = min(problems.items())
+        same = [r for r, t in problems.items() if r != first and t == text]
+        also = f" (the same on rank{'s' * (len(same) > 1)} {', '.join(map(str, same))})"
+        raise AssertionError(f"rank {first}: {text}" + (also if same else ""))

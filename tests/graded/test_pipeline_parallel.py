@@ -31,7 +31,15 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from grader.scenarios.pipeline_parallel import ROWS, WIDTH, make_stage
-from grader.testkit import CallResult, TestRecord, Traffic, World, check_unchanged, rank_tensor
+from grader.testkit import (
+    CallResult,
+    TestRecord,
+    Traffic,
+    World,
+    check_unchanged,
+    on_every_rank,
+    rank_tensor,
+)
 
 REGIMES = ("m<p", "m=p", "m>p")
 Shares = dict[str, list[Tensor]]  # each microbatch's share of a parameter's gradient, by name
@@ -45,21 +53,6 @@ def require(condition: object, message: str) -> None:
     """Fail with ``message`` alone: what the student reads, without pytest's own rendering."""
     if not condition:
         raise AssertionError(message)
-
-
-def on_every_rank(p: int, check: Callable[[int], None]) -> None:
-    """Run ``check(r)`` for every rank; fail with the lowest rank's first problem."""
-    problems: dict[int, str] = {}
-    for r in range(p):
-        try:
-            check(r)
-        except AssertionError as err:
-            problems[r] = str(err)
-    if problems:
-        first, text = min(problems.items())
-        same = [r for r, t in problems.items() if r != first and t == text]
-        also = f" (the same on rank{'s' * (len(same) > 1)} {', '.join(map(str, same))})"
-        raise AssertionError(f"rank {first}: {text}" + (also if same else ""))
 
 
 def stage_weights(p: int) -> list[tuple[Tensor, Tensor]]:

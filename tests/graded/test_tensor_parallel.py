@@ -27,7 +27,6 @@ rank, a gradient that was not all-reduced, a gradient slice that was not all-gat
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -36,7 +35,15 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from grader.scenarios.tensor_parallel import linear
-from grader.testkit import CallResult, TestRecord, World, check_close, check_unchanged, rank_tensor
+from grader.testkit import (
+    CallResult,
+    TestRecord,
+    World,
+    check_close,
+    check_unchanged,
+    on_every_rank,
+    rank_tensor,
+)
 
 IN, OUT, FFN = 8, 12, 16  # divisible by 1, 2 and 4
 SHAPE = (2, 3)  # leading dimensions of every activation: 6 rows
@@ -49,25 +56,6 @@ def require(condition: object, message: str) -> None:
     """Fail with ``message`` alone: what the student reads, without pytest's own rendering."""
     if not condition:
         raise AssertionError(message)
-
-
-def on_every_rank(p: int, check: Callable[[int], None]) -> None:
-    """Run ``check(r)`` for every rank; fail with the lowest rank's first problem.
-
-    The ranks that failed with the very same message are named after it, so a student
-    sees at once whether a mistake is on one rank or everywhere.
-    """
-    problems: dict[int, str] = {}
-    for r in range(p):
-        try:
-            check(r)
-        except AssertionError as err:
-            problems[r] = str(err)
-    if problems:
-        first, text = min(problems.items())
-        same = [r for r, t in problems.items() if r != first and t == text]
-        also = f" (the same on rank{'s' * (len(same) > 1)} {', '.join(map(str, same))})"
-        raise AssertionError(f"rank {first}: {text}" + (also if same else ""))
 
 
 def weights(key: str, n_in: int, n_out: int) -> tuple[Tensor, Tensor]:
