@@ -394,7 +394,7 @@ class Broker:
         if self._leftovers_checked:
             return
         self._leftovers_checked = True
-        for queue in self._sends.values():
+        for _, queue in sorted(self._sends.items()):  # in rank order: the same text every run
             for op in queue:
                 self._fault(
                     protocol.ERROR,
@@ -403,7 +403,7 @@ class Broker:
                     f"(tag {op.tag}, at {op.at or '?'}) that rank {op.peer} never received",
                 )
                 self._refuse(op, "never received")
-        for queue in self._recvs.values():
+        for _, queue in sorted(self._recvs.items()):
             for op in queue:
                 self._fault(
                     protocol.ERROR,

@@ -166,9 +166,9 @@ class RankPool:
         outcomes = broker.outcomes()
         suffix = f" (case: {case})" if case else ""
         problems = list(broker.problems)
-        forbidden = [p for p in problems if p.kind == "forbidden"]
+        forbidden = sorted(p.message for p in problems if p.kind == "forbidden")
         if forbidden:
-            raise failures.ForbiddenCall(forbidden[0].message)
+            raise failures.ForbiddenCall(forbidden[0])
         own = {
             r: o
             for r, o in enumerate(outcomes)
@@ -178,7 +178,8 @@ class RankPool:
             echoes = [r for r in range(size) if r not in own and _echo(outcomes[r], problems)]
             raise _student_failure(own, echoes, suffix)
         if problems:
-            first = min(problems, key=lambda p: _PROBLEM_ORDER.index(p.kind))
+            # The most telling kind, then the lowest rank: the same message whatever the timing.
+            first = min(problems, key=lambda p: (_PROBLEM_ORDER.index(p.kind), p.message))
             raise failures.BY_PROBLEM[first.kind](first.message + suffix)
         returned = [o for o in outcomes if isinstance(o, Returned)]
         if len(returned) != size:

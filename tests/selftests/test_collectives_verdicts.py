@@ -73,8 +73,8 @@ def test_faults_get_their_own_verdict_and_spare_the_other_tests(grade):
 
     # A message nobody receives is named at the end of the call, and costs nothing after it.
     assert graded.outcome("gather", 3) == "error"
-    assert graded.message("gather", 3).startswith("rank 2 sent 12 bytes to rank 0 (tag 0, at ")
-    assert "that rank 0 never received" in graded.message("gather", 3)
+    assert graded.message("gather", 3).startswith("rank 0 sent 12 bytes to rank 1 (tag 0, at ")
+    assert "that rank 1 never received" in graded.message("gather", 3)
     for function in ("all_gather", "reduce_scatter", "all_to_all"):
         assert graded.outcome(function, 3) == "passed", graded.message(function, 3)
 
