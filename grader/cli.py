@@ -60,6 +60,12 @@ class _ArgumentParser(argparse.ArgumentParser):
         raise _UsageError(message)
 
 
+def _add_world_sizes(parser: argparse.ArgumentParser, help: str) -> None:
+    parser.add_argument(
+        "--world-size", dest="world_sizes", metavar="N", type=int, action="append", help=help
+    )
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = _ArgumentParser(
         prog="grader",
@@ -110,14 +116,7 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="print every test's row, and every failure, not only the first of each function",
     )
-    run.add_argument(
-        "--world-size",
-        dest="world_sizes",
-        metavar="N",
-        type=int,
-        action="append",
-        help="grade only at world size N (repeatable)",
-    )
+    _add_world_sizes(run, "grade only at world size N (repeatable)")
     bench = commands.add_parser(
         "bench",
         help="sweep message and world sizes: yours, the reference's and torch's collectives",
@@ -127,14 +126,7 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument(
         "-k", dest="keyword", metavar="TEXT", help="only collectives containing TEXT"
     )
-    bench.add_argument(
-        "--world-size",
-        dest="world_sizes",
-        metavar="N",
-        type=int,
-        action="append",
-        help="world sizes to sweep (repeatable; default: 2 and 4)",
-    )
+    _add_world_sizes(bench, "world sizes to sweep (repeatable; default: 2 and 4)")
     bench.add_argument(
         "--max-bytes", type=int, default=64 << 20, help="largest message (default: 64 MiB)"
     )
@@ -172,14 +164,7 @@ def _parser() -> argparse.ArgumentParser:
         help="one student's limit (default 1800)",
     )
     batch.add_argument("-k", dest="keyword", metavar="TEXT", help="passed to each grader run")
-    batch.add_argument(
-        "--world-size",
-        dest="world_sizes",
-        metavar="N",
-        type=int,
-        action="append",
-        help="passed to each grader run",
-    )
+    _add_world_sizes(batch, "passed to each grader run")
     batch.add_argument(
         "--merge", nargs="+", metavar="DIR", type=Path, help="join shards' OUT folders into --out"
     )

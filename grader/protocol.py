@@ -108,9 +108,6 @@ class TensorMeta:
             raise ProtocolError("tensor description malformed")
         return cls(clean(raw["dtype"], 20), field_int(raw, "numel", 0))
 
-    def nbytes(self, itemsize: int) -> int:
-        return self.numel * itemsize
-
     def __str__(self) -> str:
         return f"{self.dtype}[{self.numel}]"
 

@@ -74,9 +74,14 @@ def itemsize(meta: TensorMeta) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
+def nbytes(meta: TensorMeta) -> int:
+    """The bytes a tensor so described holds."""
+    return meta.numel * itemsize(meta)
+
+
 def tensor_of(meta: TensorMeta, buffer: bytes) -> torch.Tensor:
     dtype = wire.DTYPES[meta.dtype]
-    if len(buffer) != meta.numel * itemsize(meta):
+    if len(buffer) != nbytes(meta):
         raise ValueError(f"{len(buffer)} bytes for {meta}")
     if not buffer:
         return torch.empty(0, dtype=dtype)

@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import socket
 import threading
+import time
 from collections import defaultdict, deque
 from collections.abc import Callable
 from pathlib import Path
@@ -34,7 +35,7 @@ from grader.broker.ops import (
     Problem,
     RankState,
     Returned,
-    itemsize,
+    nbytes,
 )
 from grader.broker.traffic import Event, Traffic
 from grader.protocol import ProtocolError, RankError, TensorMeta, clean, field_int
@@ -83,8 +84,6 @@ class Broker:
 
     def wait_call(self, deadline: float, alive: Callable[[], bool]) -> bool:
         """Wait until every rank returned, a rank died, or the deadline; True if all returned."""
-        import time
-
         with self._cv:
             while True:
                 if all(r.outcome is not None for r in self._ranks[: self.active]):
@@ -111,8 +110,6 @@ class Broker:
 
     def stacks(self, ranks: list[int], timeout: float = 1.0) -> dict[int, list[str]]:
         """Ask ``ranks`` where they are (their student frames); whatever arrives in time."""
-        import time
-
         deadline = time.monotonic() + timeout
         with self._cv:
             for rank in ranks:
@@ -199,7 +196,7 @@ class Broker:
     def rank_mark(self, state: RankState, frame: Frame) -> None:
         if state.running:
             label = clean(frame.header.get("label", ""), 80)
-            self._trace.per_rank[state.rank].append(Event("mark", -1, 0, at=label))
+            self.traffic.per_rank[state.rank].append(Event("mark", -1, 0, at=label))
 
     def rank_send(self, state: RankState, frame: Frame) -> None:
         op = self._op(state, frame, "send")
@@ -242,7 +239,7 @@ class Broker:
         inputs = op.info["inputs"]
         dtype = inputs[0].dtype if inputs else ""
         # As posted, with the dtype: a bucket flattened in float32 shows here, not only in bytes.
-        self._trace.per_rank[state.rank].append(Event(name, -1, nbytes, at=op.at, dtype=dtype))
+        self.traffic.per_rank[state.rank].append(Event(name, -1, nbytes, at=op.at, dtype=dtype))
         sequence = self._sequence[(state.rank, group)]
         self._sequence[(state.rank, group)] += 1
         pending = self._collectives.setdefault((group, sequence), {})
@@ -312,8 +309,8 @@ class Broker:
 
     def _queue(self, queues: dict[tuple[int, int, int], deque[Op]], key: Any, op: Op) -> None:
         queues[key].append(op)
-        self._trace.per_rank[op.rank].append(
-            Event(op.kind, op.peer, op.meta.numel * itemsize(op.meta) if op.meta else 0, op.tag)
+        self.traffic.per_rank[op.rank].append(
+            Event(op.kind, op.peer, nbytes(op.meta) if op.meta else 0, op.tag)
         )
         sends, recvs = self._sends[key], self._recvs[key]
         while sends and recvs:
@@ -322,7 +319,7 @@ class Broker:
     def _match(self, send: Op, recv: Op) -> None:
         assert send.meta is not None and recv.meta is not None
         size = len(send.payload[0])
-        expected = recv.meta.numel * itemsize(recv.meta)
+        expected = nbytes(recv.meta)
         if send.meta.dtype != recv.meta.dtype or size != expected:
             self._fault(
                 protocol.ERROR,
@@ -349,18 +346,18 @@ class Broker:
             self._complete(op, [wire.tensor_buffer(t) for t in tensors])
 
     def _complete(self, op: Op, buffers: list[bytes]) -> None:
-        op.done = True
-        state = self._ranks[op.rank]
-        if state.blocked_on is op:
-            state.blocked_on = None
-        self._send(op.rank, Frame({"type": protocol.DONE, "op": op.id}, buffers))
+        self._answer(op, Frame({"type": protocol.DONE, "op": op.id}, buffers))
 
     def _refuse(self, op: Op, message: str) -> None:
+        self._answer(op, Frame({"type": protocol.REFUSED, "op": op.id, "message": message}))
+
+    def _answer(self, op: Op, frame: Frame) -> None:
+        """The op is over, and its rank, if it was blocked on it, runs again."""
         op.done = True
         state = self._ranks[op.rank]
         if state.blocked_on is op:
             state.blocked_on = None
-        self._send(op.rank, Frame({"type": protocol.REFUSED, "op": op.id, "message": message}))
+        self._send(op.rank, frame)
 
     # -- faults ----------------------------------------------------------------------------------
 
@@ -415,7 +412,7 @@ class Broker:
 
     def _reset_call(self) -> None:
         self.problems: list[Problem] = []
-        self.traffic = self._trace = Traffic.empty(self.active)
+        self.traffic = Traffic.empty(self.active)
         self._sends: dict[tuple[int, int, int], deque[Op]] = defaultdict(deque)
         self._recvs: dict[tuple[int, int, int], deque[Op]] = defaultdict(deque)
         self._ops: dict[tuple[int, int], Op] = {}

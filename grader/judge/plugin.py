@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import pytest
@@ -49,7 +49,6 @@ class GradingPlugin:
         self.on_start = on_start
         self.on_verdict = on_verdict
         self.pool = RankPool(max(t.world_size for t in tests), settings)
-        self.judged: set[str] = set()
         self._running: _Running | None = None
         self.grader_failure: str | None = None
 
@@ -64,7 +63,7 @@ class GradingPlugin:
         """The ranks of this test's world size, bound by this test's rules."""
         assert self._running is not None
         settings = self._running.test.settings
-        limits = CallLimits(settings.timeout, settings.forbid_collectives, self._running.test.part)
+        limits = CallLimits(settings.timeout, settings.forbid_collectives)
         return World(world_size, self.pool, limits)
 
     @pytest.fixture
@@ -125,8 +124,8 @@ class GradingPlugin:
         if isinstance(err, PartialCredit):
             return Verdict(protocol.FAILED, protocol.clean(str(err)), fraction=record.fraction)
         if isinstance(err, AssertionError):
-            message = str(err).split("\nassert ")[0].strip() or "assertion failed"
-            return Verdict(protocol.FAILED, protocol.clean(message))
+            # The graded tests run with --assert=plain: the message is the test's own.
+            return Verdict(protocol.FAILED, protocol.clean(str(err).strip() or "assertion failed"))
         if report.skipped:
             return Verdict(protocol.ERROR, "the test was skipped: a skipped test earns nothing")
         if err is None:
@@ -144,17 +143,9 @@ class GradingPlugin:
             verdict = Verdict(protocol.PASSED, record.message, fraction=record.fraction)
         else:
             verdict = Verdict(protocol.ERROR, "the test did not complete")
-        verdict = Verdict(
-            verdict.outcome,
-            verdict.message,
-            verdict.fraction,
-            dict(record.details),
-            schedule,
-            verdict.grader_failure,
-            seconds,
+        self.on_verdict(
+            test, replace(verdict, details=dict(record.details), schedule=schedule, seconds=seconds)
         )
-        self.judged.add(test.nodeid)
-        self.on_verdict(test, verdict)
 
     def close(self) -> None:
         self.pool.close()

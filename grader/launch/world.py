@@ -56,7 +56,6 @@ class CallLimits:
 
     timeout: float = 30.0
     forbid_collectives: bool = False
-    part: str = ""
 
 
 @dataclass
@@ -154,17 +153,17 @@ class RankPool:
                 "args": node,
             }
             frames.append(Frame(header, buffers))
+        suffix = f" (case: {case})" if case else ""  # every message names the input case
         started = time.monotonic()
         job.broker.start_call(frames, limits.forbid_collectives)
         finished = job.broker.wait_call(started + limits.timeout, job.job.running)
         seconds = time.monotonic() - started
         if not finished:
-            self._stop_job(job, part, seconds, f" (case: {case})" if case else "")
-        return self._judge(job.broker, world_size, case, seconds)
+            self._stop_job(job, part, seconds, suffix)
+        return self._judge(job.broker, world_size, suffix, seconds)
 
-    def _judge(self, broker: Broker, size: int, case: str, seconds: float) -> CallResult:
+    def _judge(self, broker: Broker, size: int, suffix: str, seconds: float) -> CallResult:
         outcomes = broker.outcomes()
-        suffix = f" (case: {case})" if case else ""
         problems = list(broker.problems)
         forbidden = sorted(p.message for p in problems if p.kind == "forbidden")
         if forbidden:

@@ -12,7 +12,7 @@ A graded test runs in the grader's own process and drives the ranks::
 from grader import failures
 from grader.broker.traffic import Event, Traffic
 from grader.launch.world import CallResult, World
-from grader.testkit.compare import check_close, check_unchanged, on_every_rank
+from grader.testkit.compare import check_close, check_unchanged, on_every_rank, require
 from grader.testkit.data import generator, rank_tensor
 from grader.testkit.record import TestRecord
 
@@ -28,4 +28,5 @@ __all__ = [
     "generator",
     "on_every_rank",
     "rank_tensor",
+    "require",
 ]

@@ -177,6 +177,12 @@ def _fmt(number: float, digits: int = 6) -> str:
     return f"{number:.{digits}g}"
 
 
+def require(condition: object, message: str) -> None:
+    """Fail with ``message`` alone: what the student reads, without pytest's own rendering."""
+    if not condition:
+        raise AssertionError(message)
+
+
 def on_every_rank(p: int, check: Callable[[int], None]) -> None:
     """Run ``check(r)`` for every rank; fail with the lowest rank's first problem.
 

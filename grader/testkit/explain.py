@@ -13,6 +13,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from grader.testkit.compare import format_pair
+
 
 def close(got: Any, want: Tensor, tolerance: float = 1e-9) -> bool:
     """``got`` is a tensor of ``want``'s shape within ``tolerance`` (relative, plus absolute)."""
@@ -28,15 +30,11 @@ def close_in_float32(got: Any, want: Tensor) -> bool:
     return close(got, want, 1e-5)
 
 
-def _fmt(value: float, digits: int) -> str:
-    return f"{value:.{digits}g}"
-
-
 def difference(got: Any, want: Tensor) -> str:
     """How ``got`` differs from ``want``: its shape, or the largest error and where it is.
 
     Six digits show most errors; values that agree to six digits (float32 rounding) are shown
-    with as many more as it takes to tell them apart.
+    with as many more as it takes to tell them apart (:func:`compare.format_pair`).
     """
     if not isinstance(got, Tensor) or got.shape != want.shape:
         shape = tuple(got.shape) if isinstance(got, Tensor) else type(got).__name__
@@ -44,12 +42,10 @@ def difference(got: Any, want: Tensor) -> str:
     got, want = got.detach().double(), want.detach().double()
     error = (got - want).abs()
     at = tuple(int(i) for i in torch.unravel_index(error.argmax(), error.shape))
-    digits = 6
-    while digits < 17 and _fmt(float(want[at]), digits) == _fmt(float(got[at]), digits):
-        digits += 3
+    expected, actual = format_pair(float(want[at]), float(got[at]))
     return (
         f"differs by {float(error.max()):.3g} (max abs; at {list(at)}: expected "
-        f"{_fmt(float(want[at]), digits)}, got {_fmt(float(got[at]), digits)})"
+        f"{expected}, got {actual})"
     )
 
 

@@ -39,6 +39,7 @@ from grader.testkit import (
     check_unchanged,
     on_every_rank,
     rank_tensor,
+    require,
 )
 
 REGIMES = ("m<p", "m=p", "m>p")
@@ -47,12 +48,6 @@ Shares = dict[str, list[Tensor]]  # each microbatch's share of a parameter's gra
 
 def microbatches(regime: str, p: int) -> int:
     return {"m<p": max(1, p - 1), "m=p": p, "m>p": 2 * p + 1}[regime]
-
-
-def require(condition: object, message: str) -> None:
-    """Fail with ``message`` alone: what the student reads, without pytest's own rendering."""
-    if not condition:
-        raise AssertionError(message)
 
 
 def stage_weights(p: int) -> list[tuple[Tensor, Tensor]]:

@@ -43,6 +43,7 @@ from grader.testkit import (
     check_unchanged,
     on_every_rank,
     rank_tensor,
+    require,
 )
 
 IN, OUT, FFN = 8, 12, 16  # divisible by 1, 2 and 4
@@ -50,12 +51,6 @@ SHAPE = (2, 3)  # leading dimensions of every activation: 6 rows
 ALL = slice(None)
 Pair = tuple[Tensor, Tensor]  # an expected value and the magnitude its rounding scales with
 Why = dict[str, Tensor]  # what a tensor would hold after each usual mistake, by its hint
-
-
-def require(condition: object, message: str) -> None:
-    """Fail with ``message`` alone: what the student reads, without pytest's own rendering."""
-    if not condition:
-        raise AssertionError(message)
 
 
 def weights(key: str, n_in: int, n_out: int) -> tuple[Tensor, Tensor]:
