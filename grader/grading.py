@@ -14,7 +14,6 @@ import contextlib
 import hashlib
 import io
 import os
-import secrets
 import shutil
 import signal
 import sys
@@ -32,12 +31,15 @@ from grader.config import GradingConfig
 from grader.judge.audit import audit
 from grader.judge.plugin import GradingPlugin
 from grader.judge.verdict import Verdict
+from grader.launch.nodes import Head, node_key, pack_folder
 from grader.launch.world import JobSettings
+from grader.options import Nodes, NodesError
 from grader.report.results import GradedResult
+from grader.secret import secret, secret_path
 from grader.submission import problem_with, stage
 from grader.testkit import data
+from grader.wire import Frame
 
-SECRET_ENV = "GRADER_SECRET"
 _BROKEN = (
     pytest.ExitCode.USAGE_ERROR,
     pytest.ExitCode.INTERNAL_ERROR,
@@ -69,6 +71,7 @@ def grade(
     submission: Path,
     listener: Listener,
     sandbox_request: str = "auto",
+    nodes: Nodes | None = None,
 ) -> GradingRun:
     """Grade ``tests``: one result per test, in their order.
 
@@ -100,7 +103,9 @@ def grade(
             else:
                 record(test, Verdict(*problem))
         if runnable:
-            interrupted, failure = _run(config, runnable, work, level, listener.on_start, record)
+            interrupted, failure = _run(
+                config, runnable, work, level, listener.on_start, record, nodes
+            )
     except KeyboardInterrupt:
         interrupted = True
     finally:
@@ -124,20 +129,32 @@ def _run(
     level: sandbox.Level,
     on_start: Callable[[GradedTest], None],
     on_verdict: Callable[[GradedTest, Verdict], None],
+    nodes: Nodes | None,
 ) -> tuple[bool, str | None]:
     import_dir = work / "import"
-    data.configure(_secret(), _digest(import_dir))
-    package = Path(__file__).resolve().parent
-    settings = JobSettings(
-        work_dir=work,
-        import_dir=import_dir,
-        sandbox=level.value,
-        hidden=tuple(p for p in _hidden(work) if p.exists()),
-        readable=(package, import_dir, *_interpreter()),
-        pythonpath=str(package.parent),
-        memory_bytes=MEMORY_PER_RANK,
-        device=_device(),
-    )
+    data.configure(secret(), _digest(import_dir))
+    head = None
+    if nodes is not None:
+        try:
+            head = _start_head(nodes, tests, import_dir, level)
+        except NodesError as err:
+            return False, str(err)
+    try:
+        return _run_tests(
+            config, tests, job_settings(work, level, _device(), head), on_start, on_verdict
+        )
+    finally:
+        if head is not None:
+            head.finish()
+
+
+def _run_tests(
+    config: GradingConfig,
+    tests: list[GradedTest],
+    settings: JobSettings,
+    on_start: Callable[[GradedTest], None],
+    on_verdict: Callable[[GradedTest, Verdict], None],
+) -> tuple[bool, str | None]:
     plugin = GradingPlugin(tests, settings, on_start, on_verdict)
     files = [str(course.GRADED_DIR / t.nodeid.split("::")[0]) for t in tests]
     arguments = [*dict.fromkeys(files), *course.GRADED_PYTEST_ARGS, "-p", "no:terminal"]
@@ -165,6 +182,45 @@ def _run(
     return code == pytest.ExitCode.INTERRUPTED, failure
 
 
+def job_settings(
+    work: Path, level: sandbox.Level, device: str, head: Head | None = None
+) -> JobSettings:
+    """What every job of a run shares; made the same way on every node of a run."""
+    import_dir = work / "import"
+    package = Path(__file__).resolve().parent
+    return JobSettings(
+        work_dir=work,
+        import_dir=import_dir,
+        sandbox=level.value,
+        hidden=tuple(p for p in _hidden(work) if p.exists()),
+        readable=(package, import_dir, *_interpreter()),
+        pythonpath=str(package.parent),
+        memory_bytes=MEMORY_PER_RANK,
+        device=device,
+        head=head,
+    )
+
+
+def _start_head(
+    nodes: Nodes, tests: list[GradedTest], import_dir: Path, level: sandbox.Level
+) -> Head:
+    """Node 0 of a run across nodes: host the rendezvous, wait for the other nodes' graders,
+    and hand each the staged submission and how to sandbox it."""
+    world_size = max(t.world_size for t in tests)
+    nodes.per_node(world_size)
+    run = Frame(
+        {"type": protocol.RUN, "world_size": world_size, "level": level.value, "device": _device()},
+        [pack_folder(import_dir / "assignments")],
+    )
+    head = Head(nodes, node_key(), world_size, run)
+    try:
+        head.wait_for_nodes()
+    except BaseException:
+        head.finish()
+        raise
+    return head
+
+
 # What the ranks see of the machine's root: the system, nothing else (another checkout of the
 # course, with its reference, may lie anywhere outside these).
 _SYSTEM = {"bin", "boot", "dev", "etc", "lib", "lib32", "lib64", "libx32", "proc", "run", "sbin",
@@ -176,7 +232,7 @@ def _hidden(work: Path) -> list[Path]:
     checkouts, with the reference, the hidden tests and the configuration; home directories;
     the secret), the grader's work directory, and the course wherever it lies."""
     tops = [Path("/") / name for name in sorted(os.listdir("/")) if name not in _SYSTEM]
-    return [*tops, course.REPO_ROOT, work, Path.home(), _secret_path().parent]
+    return [*tops, course.REPO_ROOT, work, Path.home(), secret_path().parent]
 
 
 def _interpreter() -> list[Path]:
@@ -188,27 +244,6 @@ def _interpreter() -> list[Path]:
         if path and path.is_dir() and not path.is_relative_to(course.REPO_ROOT.resolve()):
             found.append(path)
     return list(dict.fromkeys(found))
-
-
-def _secret_path() -> Path:
-    config_home = Path(os.environ.get("XDG_CONFIG_HOME") or Path.home() / ".config")
-    return config_home / "grader" / "secret"
-
-
-def _secret() -> bytes:
-    """The key the inputs are derived from: set by the instructor, or made once per machine."""
-    if os.environ.get(SECRET_ENV):
-        return os.environ[SECRET_ENV].encode()
-    path = _secret_path()
-    try:
-        return path.read_bytes()
-    except OSError:
-        path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-        value = secrets.token_bytes(32)
-        descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(descriptor, "wb") as f:
-            f.write(value)
-        return value
 
 
 def _digest(import_dir: Path) -> str:

@@ -26,11 +26,27 @@ Broker to rank::
     done       {op}                                    + payloads (a receive's, a collective's)
     refused    {op, message}
     dump_stack {}
+
+Between the grader's own processes when a job spans nodes (:mod:`grader.launch.nodes`);
+whoever connects to the head proves that it knows the course's secret::
+
+    challenge {nonce}                                  head to whoever connects
+    join      {role, node | job and rank, proof}      the answer: a node, or a rank's relay
+    run       {world_size, level, memory, device}      + the staged submission: head to node
+    job       {id, per_node}                           head to node: start your ranks of it
+    finish    {}                                       head to node: grading is over
+    refuse    {message}                                node to head: it cannot take part
+    exited    {status, last_words}                     relay to broker: its rank's process ended
+    broken    {error}                                  relay to broker: its rank broke the format
+
+A relay passes its rank's frames on unchanged, but never one of the last two
+types, which only the relay may send.
 """
 
 from __future__ import annotations
 
 import re
+import signal
 from dataclasses import dataclass
 from typing import Any
 
@@ -61,6 +77,16 @@ CALL = "call"
 DONE = "done"
 REFUSED = "refused"
 DUMP_STACK = "dump_stack"
+# Frame types between the grader's processes on several nodes.
+CHALLENGE = "challenge"
+JOIN = "join"
+RUN = "run"
+JOB = "job"
+FINISH = "finish"
+REFUSE = "refuse"
+EXITED = "exited"
+BROKEN = "broken"
+RELAY_ONLY = (EXITED, BROKEN)
 
 MAX_TEXT = 2000
 # Whole escape sequences first (ESC [ ... letter), then any other control character.
@@ -143,3 +169,31 @@ class RankError:
             "frames": list(self.frames),
             "raiser": self.raiser,
         }
+
+
+@dataclass(frozen=True)
+class RankExit:
+    """How a rank's process ended, as its trusted wrapper saw it."""
+
+    status: int  # the exit code, or minus the signal that killed it
+    last_words: str = ""  # the end of what it printed, cleaned
+
+    @classmethod
+    def read(cls, raw: dict[str, Any]) -> RankExit:
+        return cls(field_int(raw, "status", -64, 255), clean(raw.get("last_words", ""), 300))
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"status": self.status, "last_words": self.last_words}
+
+    def describe(self) -> str:
+        if self.status < 0:
+            try:
+                return f"killed by {signal.Signals(-self.status).name}"
+            except ValueError:
+                return f"killed by signal {-self.status}"
+        return f"exit status {self.status}"
+
+    @property
+    def stopped_by_grader(self) -> bool:
+        """Killed as part of ending the job, not on its own (SIGKILL, SIGTERM)."""
+        return self.status in (-9, -15)

@@ -1,7 +1,9 @@
 """The broker: the trusted end of every rank's connection, and the only path between ranks.
 
 Each rank connects to a Unix socket of its own (bound into its sandbox
-alone, so a rank is who its socket says). Sends and receives are matched
+alone, so a rank is who its socket says), or, on another node, through a
+trusted relay that proved it knows the course's secret
+(:mod:`grader.launch.nodes`). Sends and receives are matched
 here, in order per (source, destination, tag), as MPI and gloo match them;
 collectives are computed here from every member's contribution. Because the
 broker sees every operation and knows which ranks are blocked, it sees
@@ -38,25 +40,29 @@ from grader.broker.ops import (
     nbytes,
 )
 from grader.broker.traffic import Event, Traffic
-from grader.protocol import ProtocolError, RankError, TensorMeta, clean, field_int
+from grader.protocol import ProtocolError, RankError, RankExit, TensorMeta, clean, field_int
 from grader.wire import Frame
 
 
 class Broker:
-    def __init__(self, socket_dir: Path, world_size: int) -> None:
+    def __init__(self, world_size: int) -> None:
         self.world_size = world_size
         self._cv = threading.Condition()
         self._ranks = [RankState(r) for r in range(world_size)]
         self._listeners: list[socket.socket] = []
-        for rank in range(world_size):
+        self.exits: dict[int, RankExit] = {}  # what the relays of ranks on other nodes said
+        self.active = world_size  # the ranks of the current call: 0..active-1
+        self._reset_call()
+        self.forbid_collectives = False
+
+    def listen_unix(self, socket_dir: Path) -> None:
+        """One Unix socket per rank in ``socket_dir``: the ranks of this machine."""
+        for rank in range(self.world_size):
             listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             listener.bind(str(self.socket_path(socket_dir, rank)))
             listener.listen(1)
             self._listeners.append(listener)
             threading.Thread(target=self._accept, args=(rank, listener), daemon=True).start()
-        self.active = world_size  # the ranks of the current call: 0..active-1
-        self._reset_call()
-        self.forbid_collectives = False
 
     @staticmethod
     def socket_path(socket_dir: Path, rank: int) -> Path:
@@ -143,13 +149,27 @@ class Broker:
         except OSError:
             return
         listener.close()  # one connection per rank: a second one is never accepted
+        self.serve(rank, sock)
+
+    def serve(self, rank: int, sock: socket.socket, relayed: bool = False) -> None:
+        """Read rank ``rank``'s connection until it ends (on the caller's thread).
+
+        ``relayed``: the connection comes from the rank's trusted relay on another
+        node, which may add what only it knows (:data:`protocol.RELAY_ONLY`).
+        """
         with self._cv:
+            if self._ranks[rank].sock is not None:  # one connection per rank
+                sock.close()
+                return
             self._ranks[rank].sock = sock
             self._cv.notify_all()
         try:
             while (frame := wire.recv_frame(sock)) is not None:
                 with self._cv:
-                    self._handle(rank, frame)
+                    if relayed and frame.header["type"] in protocol.RELAY_ONLY:
+                        self._relay_said(rank, frame)
+                    else:
+                        self._handle(rank, frame)
                     self._cv.notify_all()
         except (OSError, wire.WireError) as err:
             if not isinstance(err, OSError):
@@ -160,6 +180,13 @@ class Broker:
         with self._cv:
             self._ranks[rank].alive = False
             self._cv.notify_all()
+
+    def _relay_said(self, rank: int, frame: Frame) -> None:
+        if frame.header["type"] == protocol.EXITED:
+            self.exits[rank] = RankExit.read(frame.header)
+        else:
+            error = clean(frame.header.get("error", ""), 300)
+            self._fault(protocol.ERROR, "protocol", f"rank {rank} broke the protocol: {error}")
 
     def _handle(self, rank: int, frame: Frame) -> None:
         handler = getattr(self, f"rank_{frame.header['type']}", None)

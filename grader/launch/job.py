@@ -15,17 +15,41 @@ import os
 import signal
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 
 from grader.launch.sandboxed import die_with_parent
 
 
+@dataclass(frozen=True)
+class Rendezvous:
+    """torchrun's c10d rendezvous of one job across ``nodes`` nodes, in the head's store."""
+
+    nodes: int
+    endpoint: str
+    id: str
+
+    def arguments(self) -> list[str]:
+        return [
+            f"--nnodes={self.nodes}",
+            "--rdzv-backend=c10d",
+            f"--rdzv-endpoint={self.endpoint}",
+            f"--rdzv-id={self.id}",
+            "--rdzv-conf=is_host=0",  # the head's grader hosts the store, for the whole run
+        ]
+
+
 class TorchrunJob:
-    def __init__(self, job_dir: Path, world_size: int, module: str) -> None:
+    """``per_node`` ranks on this machine: the whole job, or this node's share of it."""
+
+    def __init__(
+        self, job_dir: Path, per_node: int, module: str, rendezvous: Rendezvous | None = None
+    ) -> None:
         self.job_dir = job_dir
-        self.world_size = world_size
+        self.per_node = per_node
         self.module = module
+        self.rendezvous = rendezvous
         self._process: subprocess.Popen[bytes] | None = None
         # The ranks' pids as they report them: ended too, even if torchrun is gone already.
         self.worker_pids: set[int] = set()
@@ -35,8 +59,9 @@ class TorchrunJob:
             sys.executable,
             "-m",
             "torch.distributed.run",
-            "--standalone",  # a free port of its own: graders can run side by side
-            f"--nproc-per-node={self.world_size}",
+            # --standalone: a free port of its own, so that graders can run side by side
+            *(self.rendezvous.arguments() if self.rendezvous else ["--standalone"]),
+            f"--nproc-per-node={self.per_node}",
             "--max-restarts=0",
             f"--log-dir={self.job_dir / 'torchrun'}",
             "-m",

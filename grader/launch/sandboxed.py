@@ -15,11 +15,14 @@ import ctypes
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from grader.launch.relay import Relay
+from grader.protocol import RankExit, clean
 from grader.sandbox import Level, Sandbox
 
 _PR_SET_PDEATHSIG = 1
@@ -37,9 +40,15 @@ class SandboxPlan:
     pythonpath: str
     memory_bytes: int
     device: str = "cpu"
+    # A job across nodes: every rank relays to the head's broker at this address.
+    broker: str = ""
+    job: str = ""
+    key: str = ""  # hex; the file is the grader's alone (0600)
 
     def write(self, job_dir: Path) -> None:
-        (job_dir / "sandbox.json").write_text(json.dumps(asdict(self)))
+        descriptor = os.open(job_dir / "sandbox.json", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(descriptor, "w") as plan:
+            plan.write(json.dumps(asdict(self)))
 
     @classmethod
     def read(cls, job_dir: Path) -> SandboxPlan:
@@ -54,6 +63,28 @@ def log_path(job_dir: Path, rank: int) -> Path:
     return job_dir / f"rank{rank}.log"
 
 
+def rank_exit(job_dir: Path, rank: int) -> RankExit | None:
+    """How rank ``rank`` of the job in ``job_dir`` ended, if it did (on this machine)."""
+    try:
+        status = int(exit_path(job_dir, rank).read_text().strip())
+    except (OSError, ValueError):
+        return None
+    return RankExit(status, last_words(job_dir, rank))
+
+
+def last_words(job_dir: Path, rank: int, limit: int = 300) -> str:
+    """The end of what a rank printed (often why it died), cleaned and capped."""
+    try:
+        with open(log_path(job_dir, rank), "rb") as log:
+            log.seek(0, 2)
+            log.seek(max(0, log.tell() - 4096))
+            text = log.read().decode(errors="replace")
+    except OSError:
+        return ""
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    return clean(" | ".join(lines[-2:]), limit)
+
+
 def die_with_parent() -> None:
     if sys.platform == "linux":
         ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
@@ -63,7 +94,12 @@ def main(job_dir: Path) -> int:
     die_with_parent()
     plan = SandboxPlan.read(job_dir)
     rank = int(os.environ["RANK"])
-    socket = Path(plan.socket_dir) / f"rank{rank}.sock"
+    socket_path = Path(plan.socket_dir) / f"rank{rank}.sock"
+    listener = None
+    if plan.broker:  # a job across nodes: this wrapper relays its rank to the head's broker
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        listener.bind(str(socket_path))
+        listener.listen(1)
     env = {
         "RANK": str(rank),
         "WORLD_SIZE": os.environ["WORLD_SIZE"],
@@ -79,12 +115,12 @@ def main(job_dir: Path) -> int:
         job_dir / "scratch" / f"rank{rank}",
         hidden=tuple(map(Path, plan.hidden)),
         readable=tuple(map(Path, plan.readable)),
-        sockets=(socket,),
+        sockets=(socket_path,),
         env=env,
         memory_bytes=plan.memory_bytes,
     )
     sandbox.prepare()
-    argv = [sys.executable, "-m", "grader.rank.worker", str(socket), plan.import_dir]
+    argv = [sys.executable, "-m", "grader.rank.worker", str(socket_path), plan.import_dir]
     with open(log_path(job_dir, rank), "wb") as log:
         child = subprocess.Popen(
             sandbox.command(argv),
@@ -102,7 +138,11 @@ def main(job_dir: Path) -> int:
 
     signal.signal(signal.SIGTERM, forward)
     signal.signal(signal.SIGINT, forward)
-    code = child.wait()
+    if listener is None:
+        code = child.wait()
+    else:
+        relay = Relay(listener, child, plan.broker, bytes.fromhex(plan.key))
+        code = relay.run(plan.job, rank, lambda: last_words(job_dir, rank))
     exit_path(job_dir, rank).write_text(str(code))
     return code if code >= 0 else 128 - code
 

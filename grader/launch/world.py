@@ -22,16 +22,19 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from grader import failures, protocol, wire
 from grader.broker.ops import Problem, Returned
 from grader.broker.server import Broker
 from grader.broker.traffic import Traffic
-from grader.launch.job import TorchrunJob, log_tail
-from grader.launch.sandboxed import SandboxPlan, exit_path, log_path
-from grader.protocol import RankError
+from grader.launch.job import Rendezvous, TorchrunJob, log_tail
+from grader.launch.sandboxed import SandboxPlan, last_words, rank_exit
+from grader.protocol import RankError, RankExit
 from grader.wire import Frame
+
+if TYPE_CHECKING:
+    from grader.launch.nodes import Head
 
 _START_SECONDS = 120.0  # torch's import on a loaded laptop, times every rank
 
@@ -48,6 +51,7 @@ class JobSettings:
     pythonpath: str
     memory_bytes: int
     device: str = "cpu"
+    head: Head | None = None  # a job across nodes: this grader is node 0 (grader.launch.nodes)
 
 
 @dataclass
@@ -209,29 +213,28 @@ class RankPool:
     def _start_job(self) -> _Job:
         self._jobs += 1
         job_dir = self.settings.work_dir / f"job{self._jobs}"
-        job_dir.mkdir(parents=True)
-        # A Unix socket's path must be short (108 bytes): not under a deep temporary directory.
-        socket_dir = Path(tempfile.mkdtemp(prefix="grader-sockets-", dir=_short_tmp()))
-        for path in (job_dir, socket_dir):
-            path.chmod(0o711)  # the sandbox's uid reaches its socket, and nothing else here
-        (job_dir / "scratch").mkdir(mode=0o711)
-        SandboxPlan(
-            level=self.settings.sandbox,
-            socket_dir=str(socket_dir),
-            import_dir=str(self.settings.import_dir),
-            hidden=[str(p) for p in self.settings.hidden],
-            readable=[str(p) for p in self.settings.readable],
-            pythonpath=self.settings.pythonpath,
-            memory_bytes=self.settings.memory_bytes,
-            device=self.settings.device,
-        ).write(job_dir)
-        broker = Broker(socket_dir, self.size)
-        job = TorchrunJob(job_dir, self.size, module="grader.launch.sandboxed")
+        broker = Broker(self.size)
+        head, per_node, rendezvous, relay = self.settings.head, self.size, None, {}
+        if head is not None:  # every rank, this node's too, relays to the broker via the head
+            job_id = f"grader-job{self._jobs}"
+            per_node = head.nodes.per_node(self.size)
+            rendezvous = Rendezvous(head.nodes.count, head.nodes.endpoint, job_id)
+            head.start_job(job_id, per_node, broker.serve)
+            relay = {"broker": head.address, "job": job_id, "key": head.key.hex()}
+        socket_dir = prepare_job(self.settings, job_dir, relay)
+        if head is None:
+            broker.listen_unix(socket_dir)
+        job = TorchrunJob(job_dir, per_node, "grader.launch.sandboxed", rendezvous)
         job.start()
         deadline = time.monotonic() + _START_SECONDS
         while len(broker.connected()) < self.size:
+            if head is not None and (gone := head.problem()) is not None:
+                job.kill()
+                broker.close()
+                shutil.rmtree(socket_dir, ignore_errors=True)
+                raise failures.GraderFailure(gone)
             if not job.running() or broker.dead() or time.monotonic() > deadline:
-                reason = _first_words(job_dir, self.size) or log_tail(job_dir, 3)
+                reason = _first_words(job_dir, broker, self.size) or log_tail(job_dir, 3)
                 job.kill()
                 broker.close()
                 shutil.rmtree(socket_dir, ignore_errors=True)
@@ -248,12 +251,16 @@ class RankPool:
         dead = broker.dead()
         if dead or not job.job.running():
             time.sleep(0.2)  # let the exit statuses land
-            culprit = _first_dead(job.job_dir, dead or list(range(self.size)))
+            exits = {r: _exit(job, r) for r in dead or range(self.size)}
+            self._check_nodes(exits)
+            culprit = _first_dead(exits)
             during = "while importing the submission" if culprit in importing else "during the call"
+            ended = exits[culprit]
             failure: failures.RankFailure = failures.Crashed(
-                f"rank {culprit}: the process died {during} ({_exit_text(job.job_dir, culprit)})"
+                f"rank {culprit}: the process died {during} "
+                f"({ended.describe() if ended else 'no exit status'})"
                 + suffix
-                + _last_words(job.job_dir, culprit)
+                + (f"; its last output: {ended.last_words}" if ended and ended.last_words else "")
             )
         else:
             stuck = broker.still_running()
@@ -281,12 +288,54 @@ class RankPool:
             self.poisoned[part] = type(failure)(f"importing {importing[culprit]} {ends}")
         raise failure
 
+    def _check_nodes(self, exits: dict[int, RankExit | None]) -> None:
+        """Across nodes, a rank whose relay said nothing, or a node gone, is the grader's
+        failure, not the student's: the machinery between nodes broke."""
+        head = self.settings.head
+        if head is None:
+            return
+        if (gone := head.problem()) is not None:
+            self.close()
+            raise failures.GraderFailure(gone)
+        silent = [r for r, e in exits.items() if e is None]
+        if silent and len(silent) == len(exits):
+            self.close()
+            raise failures.GraderFailure(
+                f"lost the connection to rank {silent[0]} on another node, with no word of how "
+                "it ended"
+            )
+
     def close(self) -> None:
         if self._job is not None:
             self._job.job.kill()
             self._job.broker.close()
             shutil.rmtree(self._job.socket_dir, ignore_errors=True)
             self._job = None
+
+
+def prepare_job(settings: JobSettings, job_dir: Path, relay: dict[str, str]) -> Path:
+    """The job's folder, with the sandbox plan its wrappers read; returns its sockets' folder.
+
+    ``relay``: for a job across nodes, where and how the wrappers reach the broker.
+    """
+    job_dir.mkdir(parents=True)
+    # A Unix socket's path must be short (108 bytes): not under a deep temporary directory.
+    socket_dir = Path(tempfile.mkdtemp(prefix="grader-sockets-", dir=_short_tmp()))
+    for path in (job_dir, socket_dir):
+        path.chmod(0o711)  # the sandbox's uid reaches its socket, and nothing else here
+    (job_dir / "scratch").mkdir(mode=0o711)
+    SandboxPlan(
+        level=settings.sandbox,
+        socket_dir=str(socket_dir),
+        import_dir=str(settings.import_dir),
+        hidden=[str(p) for p in settings.hidden],
+        readable=[str(p) for p in settings.readable],
+        pythonpath=settings.pythonpath,
+        memory_bytes=settings.memory_bytes,
+        device=settings.device,
+        **relay,
+    ).write(job_dir)
+    return socket_dir
 
 
 def _short_tmp() -> str | None:
@@ -326,50 +375,23 @@ def _ranks(ranks: Sequence[int]) -> str:
     return ", ".join(map(str, ranks))
 
 
-def _exit_status(job_dir: Path, rank: int) -> int | None:
-    try:
-        return int(exit_path(job_dir, rank).read_text().strip())
-    except (OSError, ValueError):
-        return None
+def _exit(job: _Job, rank: int) -> RankExit | None:
+    """How a rank ended: as its relay said (another node), else as its wrapper left it here."""
+    return job.broker.exits.get(rank) or rank_exit(job.job_dir, rank)
 
 
-def _first_dead(job_dir: Path, candidates: list[int]) -> int:
-    """The rank that died on its own: not one that torchrun stopped after it (SIGKILL)."""
-    for rank in candidates:
-        status = _exit_status(job_dir, rank)
-        if status is not None and status not in (-9, -15):
+def _first_dead(exits: dict[int, RankExit | None]) -> int:
+    """The rank that died on its own: not one stopped after it (SIGKILL, SIGTERM)."""
+    for rank, ended in exits.items():
+        if ended is not None and not ended.stopped_by_grader:
             return rank
-    return candidates[0]
+    return next(iter(exits))
 
 
-def _exit_text(job_dir: Path, rank: int) -> str:
-    import signal
-
-    status = _exit_status(job_dir, rank)
-    if status is None:
-        return "no exit status"
-    if status < 0:
-        return f"killed by {signal.Signals(-status).name}"
-    return f"exit status {status}"
-
-
-def _last_words(job_dir: Path, rank: int, limit: int = 300) -> str:
-    """The end of what a dead rank printed (often the reason), cleaned and capped."""
-    try:
-        with open(log_path(job_dir, rank), "rb") as log:
-            log.seek(0, 2)
-            log.seek(max(0, log.tell() - 4096))
-            text = log.read().decode(errors="replace")
-    except OSError:
-        return ""
-    lines = [line.strip() for line in text.splitlines() if line.strip()]
-    said = protocol.clean(" | ".join(lines[-2:]), limit)
-    return f"; its last output: {said}" if said else ""
-
-
-def _first_words(job_dir: Path, size: int) -> str:
+def _first_words(job_dir: Path, broker: Broker, size: int) -> str:
     for rank in range(size):
-        words = _last_words(job_dir, rank)
+        ended = broker.exits.get(rank)
+        words = ended.last_words if ended else last_words(job_dir, rank)
         if words:
-            return words.removeprefix("; its last output: ")
+            return words
     return ""

@@ -81,7 +81,8 @@ class FakeRank:
 
 @pytest.fixture
 def broker(tmp_path: Path):
-    broker = Broker(tmp_path, 2)
+    broker = Broker(2)
+    broker.listen_unix(tmp_path)
     ranks = [FakeRank(tmp_path, r) for r in range(2)]
     deadline = time.monotonic() + 5
     while len(broker.connected()) < 2 and time.monotonic() < deadline:

@@ -1,0 +1,98 @@
+"""What a node other than the head does in a run across nodes: lend its ranks.
+
+    grader run --nnodes 2 --node-rank 1 --rdzv-endpoint HEAD:29400
+
+It joins the head (:mod:`grader.launch.nodes`), receives the staged
+submission and the sandbox level, and then, for each job the head starts,
+starts this node's torchrun agent in the job's rendezvous, with every rank
+relaying to the head's broker. It decides nothing and grades nothing: the
+head writes the results. It ends its job when the head starts the next one,
+says grading is over, or goes.
+"""
+
+from __future__ import annotations
+
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+from grader import protocol, sandbox, wire
+from grader.grading import job_settings
+from grader.launch.job import Rendezvous, TorchrunJob
+from grader.launch.nodes import join_head, node_key, unpack_folder
+from grader.launch.world import JobSettings, prepare_job
+from grader.options import Nodes, NodesError
+from grader.wire import Frame
+
+EXIT_DONE, EXIT_FAILED = 0, 2
+
+
+def lend_ranks(nodes: Nodes) -> int:
+    """Serve the head's jobs until grading is over; 0 then, 2 if the run broke."""
+    key = node_key()
+    try:
+        link, address = join_head(nodes, key)
+        run = wire.recv_frame(link)
+    except (OSError, NodesError, wire.WireError) as err:
+        return _fail(f"cannot join the head at {nodes.endpoint}: {err}")
+    if run is None or run.header["type"] != protocol.RUN or len(run.buffers) != 1:
+        return _fail(
+            f"the head at {nodes.endpoint} refused node {nodes.rank}: is $GRADER_SECRET the same "
+            "on every node, and is another node started with --node-rank "
+            f"{nodes.rank}?"
+        )
+    try:
+        level = sandbox.detect(str(run.header["level"]))  # the head's level, or none at all
+    except sandbox.SandboxError as err:
+        wire.send_frame(link, Frame({"type": protocol.REFUSE, "message": str(err)}))
+        return _fail(str(err))
+    work = Path(tempfile.mkdtemp(prefix="grader-node-")).resolve()
+    job: tuple[TorchrunJob, Path] | None = None
+    try:
+        work.chmod(0o711)
+        unpack_folder(run.buffers[0], work / "import")
+        settings = job_settings(work, level, str(run.header["device"]))
+        print(f"node {nodes.rank}: joined the head at {nodes.endpoint}", flush=True)
+        while (frame := wire.recv_frame(link)) is not None:
+            if job is not None:
+                _end(job)
+                job = None
+            if frame.header["type"] == protocol.FINISH:
+                print(f"node {nodes.rank}: grading is over", flush=True)
+                return EXIT_DONE
+            if frame.header["type"] == protocol.JOB:
+                job = _start(settings, nodes, frame.header, address, key)
+        return _fail(f"the head at {nodes.endpoint} went away before grading was over")
+    except (OSError, wire.WireError) as err:
+        return _fail(f"lost the head at {nodes.endpoint}: {err}")
+    finally:
+        if job is not None:
+            _end(job)
+        if level is sandbox.Level.UID:
+            sandbox.kill_uid(sandbox.NOBODY)
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _start(
+    settings: JobSettings, nodes: Nodes, header: dict, address: str, key: bytes
+) -> tuple[TorchrunJob, Path]:
+    job_id = protocol.clean(header.get("id", ""), 40)
+    per_node = protocol.field_int(header, "per_node", 1, 1024)
+    relay = {"broker": address, "job": job_id, "key": key.hex()}
+    job_dir = settings.work_dir / job_id
+    socket_dir = prepare_job(settings, job_dir, relay)
+    rendezvous = Rendezvous(nodes.count, nodes.endpoint, job_id)
+    job = TorchrunJob(job_dir, per_node, "grader.launch.sandboxed", rendezvous)
+    job.start()
+    return job, socket_dir
+
+
+def _end(job: tuple[TorchrunJob, Path]) -> None:
+    job[0].kill()
+    shutil.rmtree(job[1], ignore_errors=True)
+
+
+def _fail(message: str) -> int:
+    print(f"grader: error: {message}", file=sys.stderr)
+    return EXIT_FAILED

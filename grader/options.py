@@ -1,0 +1,195 @@
+"""Every option of the ``grader`` command, in one place (documented in docs/commands.md)."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from pathlib import Path
+
+from grader.config import CONFIG_ENV
+
+
+class UsageError(Exception):
+    """Bad arguments: one line on stderr, exit status 2."""
+
+
+class _ArgumentParser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise UsageError(message)
+
+
+def _add_world_sizes(parser: argparse.ArgumentParser, help: str) -> None:
+    parser.add_argument(
+        "--world-size", dest="world_sizes", metavar="N", type=int, action="append", help=help
+    )
+
+
+def parser() -> argparse.ArgumentParser:
+    parser = _ArgumentParser(
+        prog="grader",
+        description="Grade distributed-training assignments with real multi-process jobs.",
+        epilog="exit status: 0 every graded test passed, 1 some test did not, "
+        "2 the grader could not grade, 130 interrupted",
+    )
+    parser.add_argument(
+        "--config",
+        type=Path,
+        metavar="FILE",
+        help=f"the grading configuration (default: ${CONFIG_ENV}, else the nearest "
+        "tests/graded/grading.yaml from the current directory upward, else the one next to "
+        "the installed package)",
+    )
+    commands = parser.add_subparsers(dest="command", required=True)
+    run = commands.add_parser("run", help="grade a submission")
+    run.add_argument("parts", nargs="*", metavar="PART", help="parts to grade (default: all)")
+    run.add_argument("--submission", metavar="DIR", help="default: the repository's assignments/")
+    run.add_argument(
+        "--results",
+        metavar="FILE",
+        type=Path,
+        help="write results.json (Gradescope's format, mode 0644) here; its folder must exist",
+    )
+    run.add_argument(
+        "--backend",
+        choices=("auto", "gloo", "nccl"),
+        default="auto",
+        help="where the ranks keep their tensors: nccl = each rank's GPU, gloo = the CPU, "
+        "auto = a GPU when there is one (messages always pass through the grader's broker)",
+    )
+    run.add_argument(
+        "--sandbox",
+        choices=("auto", "namespaces", "uid", "none"),
+        default="auto",
+        help="how the student's code is isolated (default: the strongest this machine allows)",
+    )
+    run.add_argument(
+        "-k",
+        dest="keyword",
+        metavar="TEXT",
+        help="grade only the tests whose name contains TEXT, as `grader list` shows them: "
+        "-k all_reduce (its correctness and cost tests), -k communication[all_reduce] (one)",
+    )
+    run.add_argument(
+        "--verbose",
+        action="store_true",
+        help="print every test's row, and every failure, not only the first of each function",
+    )
+    _add_world_sizes(run, "grade only at world size N (repeatable)")
+    across = run.add_argument_group(
+        "a job across nodes (torchrun's c10d rendezvous; the same command on every node)"
+    )
+    across.add_argument("--nnodes", type=int, metavar="N", help="nodes the job spans")
+    across.add_argument(
+        "--node-rank",
+        type=int,
+        metavar="R",
+        help="this node: 0 grades and writes the results, the others lend it their ranks",
+    )
+    across.add_argument(
+        "--rdzv-endpoint", metavar="HOST:PORT", help="node 0's address, and a free port there"
+    )
+    bench = commands.add_parser(
+        "bench",
+        help="sweep message and world sizes: yours, the reference's and torch's collectives",
+    )
+    bench.add_argument("parts", nargs="*", metavar="PART", help="only 'collectives' is benchmarked")
+    bench.add_argument("--submission", metavar="DIR", help="default: the repository's assignments/")
+    bench.add_argument(
+        "-k", dest="keyword", metavar="TEXT", help="only collectives containing TEXT"
+    )
+    _add_world_sizes(bench, "world sizes to sweep (repeatable; default: 2 and 4)")
+    bench.add_argument(
+        "--max-bytes", type=int, default=64 << 20, help="largest message (default: 64 MiB)"
+    )
+    bench.add_argument("--iterations", type=int, default=3, help="timed calls per point")
+    bench.add_argument(
+        "--output", type=Path, default=Path("bench-collectives.png"), help="where the plot goes"
+    )
+    listing = commands.add_parser(
+        "list", help="list the parts, their tests, points and Gradescope visibility"
+    )
+    listing.add_argument("parts", nargs="*", metavar="PART")
+    zipped = commands.add_parser(
+        "gradescope", help="build Gradescope's autograder zip (setup.sh, run_autograder, source)"
+    )
+    zipped.add_argument("output", metavar="OUT.zip", type=Path)
+    release = commands.add_parser(
+        "release", help="write the repository students get: no reference, no hidden tests"
+    )
+    release.add_argument("output", metavar="OUT", type=Path, help="a folder absent or empty")
+    batch = commands.add_parser(
+        "batch", help="grade every student's folder into OUT/<student>/ and OUT/gradebook.csv"
+    )
+    batch.add_argument(
+        "submissions", nargs="?", metavar="SUBMISSIONS_DIR", type=Path, help="a folder per student"
+    )
+    batch.add_argument("parts", nargs="*", metavar="PART", help="parts to grade (default: all)")
+    batch.add_argument("--out", metavar="DIR", type=Path, required=True, help="results go here")
+    batch.add_argument("--jobs", metavar="N", type=int, default=1, help="students side by side")
+    batch.add_argument("--shard", metavar="I/N", help="only the students whose index is I mod N")
+    batch.add_argument(
+        "--timeout",
+        metavar="SECONDS",
+        type=float,
+        default=1800,
+        help="one student's limit (default 1800)",
+    )
+    batch.add_argument("-k", dest="keyword", metavar="TEXT", help="passed to each grader run")
+    _add_world_sizes(batch, "passed to each grader run")
+    batch.add_argument(
+        "--merge", nargs="+", metavar="DIR", type=Path, help="join shards' OUT folders into --out"
+    )
+    return parser
+
+
+class NodesError(Exception):
+    """The nodes cannot form one run (bad options, a wrong secret, a node gone); one line."""
+
+
+@dataclass(frozen=True)
+class Nodes:
+    """Where this grader stands in a run across nodes (``--nnodes/--node-rank/--rdzv-endpoint``)."""
+
+    count: int
+    rank: int
+    host: str
+    port: int
+
+    @property
+    def head(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def endpoint(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    @classmethod
+    def from_options(
+        cls, nnodes: int | None, node_rank: int | None, endpoint: str | None
+    ) -> Nodes | None:
+        """The options merged into one value; None for a run on this machine alone."""
+        if nnodes is None and node_rank is None and endpoint is None:
+            return None
+        if nnodes is None or nnodes < 1:
+            raise NodesError("--nnodes N (N >= 1) says how many nodes the job spans")
+        if nnodes == 1 and not node_rank:
+            return None
+        if node_rank is None or not 0 <= node_rank < nnodes:
+            raise NodesError(
+                f"--node-rank R must be in 0..{nnodes - 1} (0 is the node that grades)"
+            )
+        host, _, port = (endpoint or "").rpartition(":")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise NodesError(
+                "--rdzv-endpoint HOST:PORT (node 0's address, and a free port there) is needed "
+                "with --nnodes"
+            )
+        return cls(nnodes, node_rank, host.strip("[]"), int(port))
+
+    def per_node(self, world_size: int) -> int:
+        if world_size % self.count:
+            raise NodesError(
+                f"--nnodes {self.count} does not divide the job's {world_size} ranks "
+                "(the largest world size graded): every node runs as many"
+            )
+        return world_size // self.count
