@@ -251,7 +251,7 @@ class RankPool:
         dead = broker.dead()
         if dead or not job.job.running():
             time.sleep(0.2)  # let the exit statuses land
-            exits = {r: _exit(job, r) for r in dead or range(self.size)}
+            exits = {r: self._exit(job, r) for r in dead or range(self.size)}
             self._check_nodes(exits)
             culprit = _first_dead(exits)
             during = "while importing the submission" if culprit in importing else "during the call"
@@ -287,6 +287,13 @@ class RankPool:
             )
             self.poisoned[part] = type(failure)(f"importing {importing[culprit]} {ends}")
         raise failure
+
+    def _exit(self, job: _Job, rank: int) -> RankExit | None:
+        """How a rank ended: across nodes, as its relay told the broker (no other machine's
+        files are read); on one machine, as its wrapper left it in the job's folder."""
+        if self.settings.head is not None:
+            return job.broker.exits.get(rank)
+        return rank_exit(job.job_dir, rank)
 
     def _check_nodes(self, exits: dict[int, RankExit | None]) -> None:
         """Across nodes, a rank whose relay said nothing, or a node gone, is the grader's
@@ -373,11 +380,6 @@ def _student_failure(
 
 def _ranks(ranks: Sequence[int]) -> str:
     return ", ".join(map(str, ranks))
-
-
-def _exit(job: _Job, rank: int) -> RankExit | None:
-    """How a rank ended: as its relay said (another node), else as its wrapper left it here."""
-    return job.broker.exits.get(rank) or rank_exit(job.job_dir, rank)
 
 
 def _first_dead(exits: dict[int, RankExit | None]) -> int:

@@ -8,6 +8,7 @@ import torch.distributed as dist
 
 from reference.collectives import *  # noqa: F403
 from reference.collectives import gather as reference_gather
+from reference.collectives import scatter as reference_scatter
 
 
 def broadcast(tensor, src, group=None):
@@ -33,10 +34,13 @@ def all_reduce(tensor, group=None):
 
 
 def scatter(tensor, scatter_list, src, group=None):
-    """The last rank never returns (a busy loop, not a wait in gloo)."""
-    if dist.get_rank() == dist.get_world_size() - 1 and dist.get_world_size() > 1:
+    """The last rank never returns (a busy loop, not a wait in gloo) on the small tensors of
+    the correctness test; its cost tests, on large ones, see a correct scatter."""
+    world = dist.get_world_size()
+    if tensor.numel() < 1000 and dist.get_rank() == world - 1 and world > 1:
         while True:
             time.sleep(0.05)
+    reference_scatter(tensor, scatter_list, src, group)
 
 
 def gather(tensor, gather_list, dst, group=None):
