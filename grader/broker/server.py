@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from grader import protocol, wire
-from grader.broker import collectives
+from grader.broker import collectives, faults
 from grader.broker.ops import (
     Op,
     Problem,
@@ -392,20 +392,12 @@ class Broker:
         self.problems.append(Problem(outcome, clean(message), kind))
 
     def _check_deadlock(self) -> None:
-        """No rank can make progress: every live rank is blocked or has returned."""
-        states = [r for r in self._ranks[: self.active] if r.alive]
-        if any(r.outcome is None and r.blocked_on is None for r in states):
-            return
-        blocked = [r for r in states if r.blocked_on is not None]
-        if not blocked:
-            return
-        waits = [f"rank {r.rank} waits in {r.blocked_on.describe()}" for r in blocked]  # type: ignore[union-attr]
-        done = [str(r.rank) for r in states if r.outcome is not None]
-        returned = f" ({'rank' if len(done) == 1 else 'ranks'} {', '.join(done)} returned)"
-        message = "deadlock: " + " while ".join(waits) + (returned if done else "")
-        self._fault(protocol.TIMEOUT, "deadlock", message)
-        for state in blocked:
-            self._refuse(state.blocked_on, "deadlock: no rank can make progress")  # type: ignore[arg-type]
+        message = faults.deadlock(self._ranks[: self.active])
+        if message is not None:
+            self._fault(protocol.TIMEOUT, "deadlock", message)
+            for state in self._ranks[: self.active]:
+                if state.blocked_on is not None:
+                    self._refuse(state.blocked_on, "deadlock: no rank can make progress")
 
     def _finish(self, state: RankState, outcome: Returned | RankError) -> None:
         state.outcome = outcome
@@ -418,24 +410,9 @@ class Broker:
         if self._leftovers_checked:
             return
         self._leftovers_checked = True
-        for _, queue in sorted(self._sends.items()):  # in rank order: the same text every run
-            for op in queue:
-                self._fault(
-                    protocol.ERROR,
-                    "unreceived",
-                    f"rank {op.rank} sent {len(op.payload[0])} bytes to rank {op.peer} "
-                    f"(tag {op.tag}, at {op.at or '?'}) that rank {op.peer} never received",
-                )
-                self._refuse(op, "never received")
-        for _, queue in sorted(self._recvs.items()):
-            for op in queue:
-                self._fault(
-                    protocol.ERROR,
-                    "unreceived",
-                    f"rank {op.rank} posted a receive from rank {op.peer} (at {op.at or '?'}) "
-                    "that no message matched",
-                )
-                self._refuse(op, "no message matched this receive")
+        for op, message, reason in faults.leftovers(self._sends, self._recvs):
+            self._fault(protocol.ERROR, "unreceived", message)
+            self._refuse(op, reason)
 
     def _reset_call(self) -> None:
         self.problems: list[Problem] = []

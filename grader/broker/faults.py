@@ -1,0 +1,50 @@
+"""The faults the broker sees by looking at every rank at once, and how each is told.
+
+Pure functions of the broker's state: which ranks are blocked in what, and
+which messages are still queued. The broker records what they find and
+refuses the operations involved.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterator, Sequence
+
+from grader.broker.ops import Op, RankState
+
+Queues = dict[tuple[int, int, int], deque[Op]]
+
+
+def deadlock(states: Sequence[RankState]) -> str | None:
+    """No rank can make progress: every live rank is blocked or has returned, one blocked."""
+    live = [r for r in states if r.alive]
+    if any(r.outcome is None and r.blocked_on is None for r in live):
+        return None
+    blocked = [r for r in live if r.blocked_on is not None]
+    if not blocked:
+        return None
+    waits = [f"rank {r.rank} waits in {r.blocked_on.describe()}" for r in blocked]  # type: ignore[union-attr]
+    done = [str(r.rank) for r in live if r.outcome is not None]
+    returned = f" ({'rank' if len(done) == 1 else 'ranks'} {', '.join(done)} returned)"
+    return "deadlock: " + " while ".join(waits) + (returned if done else "")
+
+
+def leftovers(sends: Queues, recvs: Queues) -> Iterator[tuple[Op, str, str]]:
+    """Each send never received and receive never matched, in rank order (the same text
+    every run): the op, the fault's message, and what its rank is told."""
+    for _, queue in sorted(sends.items()):
+        for op in queue:
+            yield (
+                op,
+                f"rank {op.rank} sent {len(op.payload[0])} bytes to rank {op.peer} "
+                f"(tag {op.tag}, at {op.at or '?'}) that rank {op.peer} never received",
+                "never received",
+            )
+    for _, queue in sorted(recvs.items()):
+        for op in queue:
+            yield (
+                op,
+                f"rank {op.rank} posted a receive from rank {op.peer} (at {op.at or '?'}) "
+                "that no message matched",
+                "no message matched this receive",
+            )
