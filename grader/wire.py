@@ -68,8 +68,12 @@ def send_frame(sock: socket.socket, frame: Frame) -> None:
         sock.sendall(buffer)
 
 
-def recv_frame(sock: socket.socket) -> Frame | None:
-    """The next frame, or None when the peer closed the connection cleanly."""
+def recv_frame(sock: socket.socket, max_bytes: int = MAX_FRAME_BYTES) -> Frame | None:
+    """The next frame, or None when the peer closed the connection cleanly.
+
+    ``max_bytes`` caps the header and buffers together before anything is allocated
+    (a stranger's first frame, before it proved who it is, gets a small cap).
+    """
     prefix = _recv_exactly(sock, _PREFIX.size, eof_ok=True)
     if prefix is None:
         return None
@@ -77,8 +81,8 @@ def recv_frame(sock: socket.socket) -> Frame | None:
     if header_length > MAX_HEADER_BYTES or count > MAX_BUFFERS:
         raise WireError(f"frame too large ({header_length} header bytes, {count} buffers)")
     lengths = struct.unpack(f"!{count}Q", _recv_exactly(sock, 8 * count))
-    if sum(lengths) > MAX_FRAME_BYTES:
-        raise WireError(f"frame of {sum(lengths)} bytes is over the limit")
+    if header_length + sum(lengths) > max_bytes:
+        raise WireError(f"frame of {header_length + sum(lengths)} bytes is over the limit")
     try:
         header = json.loads(_recv_exactly(sock, header_length))
     except ValueError as err:

@@ -50,6 +50,7 @@ from grader.wire import Frame
 
 JOIN_SECONDS = 600.0  # how long the head waits for the other nodes, and they for the head
 _HANDSHAKE_SECONDS = 10.0
+_HANDSHAKE_BYTES = 64 << 10  # a challenge or a join: nothing big is read before the proof
 _PORT_KEY = "grader/port"
 
 # What serves a rank's connection for the current job: Broker.serve.
@@ -75,7 +76,7 @@ def connect(address: str, key: bytes, claim: dict[str, Any]) -> socket.socket:
     host, _, port = address.rpartition(":")
     sock = socket.create_connection((host.strip("[]"), int(port)), timeout=_HANDSHAKE_SECONDS)
     _no_delay(sock)
-    challenge = wire.recv_frame(sock)
+    challenge = wire.recv_frame(sock, _HANDSHAKE_BYTES)
     if challenge is None or challenge.header["type"] != protocol.CHALLENGE:
         sock.close()
         raise NodesError(f"{address} is not a grader's head")
@@ -188,7 +189,7 @@ class Head:
         try:
             sock.settimeout(_HANDSHAKE_SECONDS)
             wire.send_frame(sock, Frame({"type": protocol.CHALLENGE, "nonce": nonce}))
-            join = wire.recv_frame(sock)
+            join = wire.recv_frame(sock, _HANDSHAKE_BYTES)
             sock.settimeout(None)
         except (OSError, wire.WireError):
             sock.close()

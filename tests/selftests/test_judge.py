@@ -4,6 +4,7 @@ the cleaning of untrusted text, the audit, and the communication figures (fast).
 from __future__ import annotations
 
 import socket
+import struct
 import threading
 import time
 from pathlib import Path
@@ -16,6 +17,8 @@ from grader.broker.server import Broker
 from grader.judge.audit import audit
 from grader.judge.communication import figures, min_rounds
 from grader.judge.projection import machines, project
+from grader.launch.nodes import Head, connect
+from grader.options import Nodes
 from grader.wire import Frame, WireError
 
 
@@ -93,7 +96,7 @@ def broker(tmp_path: Path):
     broker.close()
 
 
-def settle(broker: Broker, until) -> None:
+def settle(broker: object, until) -> None:
     deadline = time.monotonic() + 5
     while not until() and time.monotonic() < deadline:
         time.sleep(0.01)
@@ -190,3 +193,35 @@ def test_projection_charges_the_slow_links_more():
     nvlink = project(events, by_name["nvlink-node"])
     ethernet = project(events, by_name["ethernet-cluster"])
     assert 0 < nvlink < ethernet
+
+
+def test_the_heads_port_serves_no_one_without_the_proof() -> None:
+    """Across nodes, only who knows the course's key reaches the broker, and only for the
+    job that runs; a stranger's first frame is never read beyond a small size."""
+    with socket.socket() as probe:
+        probe.bind(("", 0))
+        port = probe.getsockname()[1]
+    key = b"k" * 32
+    head = Head(Nodes(2, 0, "localhost", port), key, 4, Frame({"type": protocol.RUN}))
+    served: list[int] = []
+    head.start_job("job2", 2, lambda rank, sock, relayed: served.append(rank))
+    try:
+        for who, claim in [
+            (b"not the key" * 3, {"role": "rank", "job": "job2", "rank": 1}),
+            (key, {"role": "rank", "job": "job1", "rank": 1}),  # a job that is over
+            (key, {"role": "rank", "job": "job2", "rank": 4}),  # no such rank
+        ]:
+            sock = connect(head.address, who, claim)
+            sock.settimeout(5)
+            assert sock.recv(1) == b"", claim  # closed unserved
+            sock.close()
+        stranger = socket.create_connection(("localhost", int(head.address.split(":")[1])))
+        stranger.settimeout(5)
+        assert wire.recv_frame(stranger).header["type"] == protocol.CHALLENGE
+        stranger.sendall(struct.pack("!II", 2, 1) + struct.pack("!Q", 1 << 30))  # 1 GiB, it says
+        assert stranger.recv(1) == b""
+        connect(head.address, key, {"role": "rank", "job": "job2", "rank": 1})
+        settle(head, lambda: served)
+        assert served == [1] and head.problem() is None
+    finally:
+        head.finish()

@@ -110,16 +110,18 @@ def test_a_job_across_two_nodes_is_judged_as_on_one(tmp_path: Path) -> None:
     assert stuck.startswith("rank 0 waits in recv from rank 3 at assignments/collectives.py:")
     assert "; rank 3 is stuck at assignments/collectives.py:" in stuck
     assert stuck.endswith(" in all_reduce (stopped after 10 s) (case: all_reduce of float32[1])")
-    # Everything else earns its points, costs measured across nodes, after each fresh job.
-    rest = [
-        t
-        for t in graded.tests
-        if t["extra_data"]["kind"] != "correctness"
-        or t["extra_data"]["target"] == "collectives.reduce_scatter"
-    ]
-    assert len(rest) == 7 and all(t["score"] == t["max_score"] for t in rest), [
+    # What only a rank's relay may say, a rank cannot: its forgery is a broken protocol.
+    forged = [t for t in graded.tests if t["extra_data"]["target"] == "collectives.reduce_scatter"]
+    assert len(forged) == 3
+    assert all(t["output"].startswith(_FORGED) and t["score"] == 0 for t in forged), forged
+    # The cost tests of reduce and all_reduce earn every point, each after a fresh job.
+    rest = [t for t in graded.tests if t not in forged and t["extra_data"]["kind"] != "correctness"]
+    assert len(rest) == 4 and all(t["score"] == t["max_score"] for t in rest), [
         t["output"] for t in rest if t["score"] != t["max_score"]
     ]
+
+
+_FORGED = "rank 1 broke the protocol: unknown message 'forged exited' (case: reduce_scatter of "
 
 
 @pytest.mark.parametrize("killed", ["node 0", "node 1"])
