@@ -10,10 +10,12 @@ files are chosen as the Gradescope zip chooses them
 message patterns, the machine models) travels inside ``grader/``, so the
 release grades the cost tests as the course does, without a reference.
 
-A graded test file whose every test is ``hidden`` in ``grading.yaml`` is left
-out, and the configuration is rewritten without it, so that the release's own
-``grading.yaml`` loads. A file with some hidden tests is shipped whole (a file
-cannot be split): :attr:`Release.partly_hidden` names it, for a warning.
+A graded test file whose every test is hidden from students before grading
+(``hidden``, ``after_due_date`` or ``after_published`` in ``grading.yaml``:
+anything but ``visible``) is left out, and the configuration is rewritten
+without it, so that the release's own ``grading.yaml`` loads. A file with some
+hidden tests is shipped whole (a file cannot be split):
+:attr:`Release.partly_hidden` names it, for a warning.
 """
 
 from __future__ import annotations
@@ -110,7 +112,8 @@ def _hidden_files(config: GradingConfig) -> tuple[set[str], set[str]]:
     for part in config.parts.values():
         for file in part.files:
             names = _test_names(file)
-            invisible = {n for n in names if part.settings_for(n).visibility == "hidden"}
+            # after_due_date and after_published tests are secret until then, too
+            invisible = {n for n in names if part.settings_for(n).visibility != "visible"}
             where = _relative(file, config)
             if names and invisible == names:
                 hidden.add(where)

@@ -74,15 +74,17 @@ def test_a_release_ships_the_course_but_nothing_private(scratch: Path):
     ).read_text()
 
 
-def _hide(course: Path, part_hidden: bool, tests: tuple[str, ...]) -> Path:
+def _hide(
+    course: Path, part_hidden: bool, tests: tuple[str, ...], visibility: str = "hidden"
+) -> Path:
     """Make the collectives part hidden, or only some of its tests; returns grading.yaml."""
     path = course / "tests" / "graded" / "grading.yaml"
     raw = yaml.safe_load(path.read_text())
     collectives = raw["parts"]["collectives"]
     if part_hidden:
-        collectives["visibility"] = "hidden"
+        collectives["visibility"] = visibility
     for name in tests:
-        collectives["tests"].setdefault(name, {})["visibility"] = "hidden"
+        collectives["tests"].setdefault(name, {})["visibility"] = visibility
     path.write_text(yaml.safe_dump(raw, sort_keys=False))
     return path
 
@@ -104,8 +106,13 @@ def test_a_test_file_whose_every_test_is_hidden_is_left_out_with_its_entries(scr
     assert list(config.parts) == list(load_config(config_path).parts)
 
 
-def test_a_part_whose_every_test_is_hidden_is_left_out_of_the_release(scratch: Path):
-    config_path = _hide(_course_copy(scratch / "course"), True, ())
+@pytest.mark.parametrize("visibility", ["hidden", "after_due_date", "after_published"])
+def test_a_part_whose_every_test_is_hidden_is_left_out_of_the_release(
+    scratch: Path, visibility: str
+):
+    """Tests students see only once graded (after the due date, once published) are as
+    secret as hidden ones until then."""
+    config_path = _hide(_course_copy(scratch / "course"), True, (), visibility)
     release = build_release(load_config(config_path), scratch / "out")
     graded = release.path / "tests" / "graded"
     assert release.left_out == ("test_collectives.py", "test_collectives_costs.py")
