@@ -225,3 +225,24 @@ def test_the_heads_port_serves_no_one_without_the_proof() -> None:
         assert served == [1] and head.problem() is None
     finally:
         head.finish()
+
+
+def test_a_stranger_trickling_bytes_is_cut_at_the_handshakes_deadline(monkeypatch) -> None:
+    from grader.launch import nodes
+
+    monkeypatch.setattr(nodes, "_HANDSHAKE_SECONDS", 0.5)
+    with socket.socket() as probe:
+        probe.bind(("", 0))
+        port = probe.getsockname()[1]
+    head = Head(Nodes(2, 0, "localhost", port), b"k" * 32, 4, Frame({"type": protocol.RUN}))
+    try:
+        stranger = socket.create_connection(("localhost", int(head.address.split(":")[1])))
+        assert wire.recv_frame(stranger).header["type"] == protocol.CHALLENGE
+        started = time.monotonic()
+        with pytest.raises(OSError):  # a byte every 0.1 s, until the head cuts the connection
+            while time.monotonic() - started < 5:
+                stranger.sendall(b"\0")
+                time.sleep(0.1)
+        assert time.monotonic() - started < 3
+    finally:
+        head.finish()
