@@ -241,14 +241,18 @@ class Sandbox:
     def pre_exec(self) -> None:
         """In the process about to exec ``command()``: limits, then (``uid``) the drop.
 
-        Also fit for ``subprocess.Popen(preexec_fn=...)``. For ``uid`` the process gets
-        SIGKILL when its parent dies (set after setuid, which clears it); bwrap's
-        ``--die-with-parent`` and PID namespace do that for ``namespaces``.
+        Also fit for ``subprocess.Popen(preexec_fn=...)``. The process gets SIGKILL when
+        its parent (the rank's wrapper) dies, from before the exec on: bwrap's own
+        ``--die-with-parent`` comes too late when the wrapper is killed while bwrap
+        starts (seen here: an orphaned bwrap). For ``uid`` it is set after setuid,
+        which clears it.
         """
+        parent = os.getppid()
+        if self.level is not Level.UID:
+            _die_with(parent)
         if self.level is Level.NONE:
             os.chdir(self.scratch)
             return
-        parent = os.getppid()
         with contextlib.suppress(PermissionError):  # already a session leader
             os.setsid()
         _set_limit(resource.RLIMIT_AS, self.memory_bytes)
@@ -260,9 +264,7 @@ class Sandbox:
         if self.level is Level.UID:
             _drop_to(self.uid, self.gid)
             os.chdir(self.scratch)
-            _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-            if os.getppid() != parent:  # the parent died before prctl took effect
-                os._exit(137)
+            _die_with(parent)
 
     def exec(self, argv: Sequence[str]) -> NoReturn:
         """Become the sandboxed ``argv``: what the trusted per-rank wrapper ends with."""
@@ -270,6 +272,13 @@ class Sandbox:
         env = self.environment()
         self.pre_exec()
         os.execvpe(command[0], command, env)
+
+
+def _die_with(parent: int) -> None:
+    """SIGKILL to this process when ``parent`` dies (kept across exec of a plain binary)."""
+    _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != parent:  # the parent died before prctl took effect
+        os._exit(137)
 
 
 def _set_limit(resource_id: int, value: int) -> None:
