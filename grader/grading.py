@@ -133,15 +133,16 @@ def _run(
 ) -> tuple[bool, str | None]:
     import_dir = work / "import"
     data.configure(secret(), _digest(import_dir))
+    device = _device()
     head = None
     if nodes is not None:
         try:
-            head = _start_head(nodes, tests, import_dir, level)
+            head = _start_head(nodes, tests, import_dir, level, device)
         except NodesError as err:
             return False, str(err)
     try:
         return _run_tests(
-            config, tests, job_settings(work, level, _device(), head), on_start, on_verdict
+            config, tests, job_settings(work, level, device, head), on_start, on_verdict
         )
     finally:
         if head is not None:
@@ -202,14 +203,13 @@ def job_settings(
 
 
 def _start_head(
-    nodes: Nodes, tests: list[GradedTest], import_dir: Path, level: sandbox.Level
+    nodes: Nodes, tests: list[GradedTest], import_dir: Path, level: sandbox.Level, device: str
 ) -> Head:
     """Node 0 of a run across nodes: host the rendezvous, wait for the other nodes' graders,
     and hand each the staged submission and how to sandbox it."""
     world_size = max(t.world_size for t in tests)
-    nodes.per_node(world_size)
     run = Frame(
-        {"type": protocol.RUN, "world_size": world_size, "level": level.value, "device": _device()},
+        {"type": protocol.RUN, "world_size": world_size, "level": level.value, "device": device},
         [pack_folder(import_dir / "assignments")],
     )
     head = Head(nodes, node_key(), world_size, run)

@@ -19,9 +19,9 @@ from pathlib import Path
 
 from grader import protocol, sandbox, wire
 from grader.grading import job_settings
-from grader.launch.job import Rendezvous, TorchrunJob
+from grader.launch.job import TorchrunJob, node_job
 from grader.launch.nodes import join_head, node_key, unpack_folder
-from grader.launch.world import JobSettings, prepare_job
+from grader.launch.world import JobSettings
 from grader.options import Nodes, NodesError
 from grader.wire import Frame
 
@@ -79,11 +79,9 @@ def _start(
 ) -> tuple[TorchrunJob, Path]:
     job_id = protocol.clean(header.get("id", ""), 40)
     per_node = protocol.field_int(header, "per_node", 1, 1024)
-    relay = {"broker": address, "job": job_id, "key": key.hex()}
-    job_dir = settings.work_dir / job_id
-    socket_dir = prepare_job(settings, job_dir, relay)
-    rendezvous = Rendezvous(nodes.count, nodes.endpoint, job_id)
-    job = TorchrunJob(job_dir, per_node, "grader.launch.sandboxed", rendezvous)
+    job, socket_dir = node_job(
+        settings, settings.work_dir / job_id, nodes, job_id, per_node, address, key
+    )
     job.start()
     return job, socket_dir
 

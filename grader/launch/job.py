@@ -6,6 +6,10 @@ process group does not hold them. A job is therefore ended by SIGKILL to every
 process descended from torchrun, found through /proc *before* torchrun dies
 (afterwards its orphans belong to init), and then to torchrun's own group.
 Nothing is lost: every result is on disk already.
+
+The job's folder (the sandbox plan its rank wrappers read, and a short
+folder for the ranks' sockets) is made here too: :func:`prepare_job`, and
+:func:`node_job` for one node's share of a job across nodes.
 """
 
 from __future__ import annotations
@@ -15,11 +19,20 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
+from typing import TYPE_CHECKING
 
-from grader.launch.sandboxed import die_with_parent
+from grader.launch.sandboxed import SandboxPlan, die_with_parent
+
+if TYPE_CHECKING:
+    from grader.launch.world import JobSettings
+    from grader.options import Nodes
+
+
+RANK_WRAPPER = "grader.launch.sandboxed"  # what torchrun starts on every rank of a graded job
 
 
 @dataclass(frozen=True)
@@ -170,3 +183,50 @@ def process_alive(pid: int) -> bool:
         except PermissionError:
             return True
         return True
+
+
+def node_job(
+    settings: JobSettings,
+    job_dir: Path,
+    nodes: Nodes,
+    job_id: str,
+    per_node: int,
+    broker: str,
+    key: bytes,
+) -> tuple[TorchrunJob, Path]:
+    """This node's share of a job across nodes (not started), and its sockets' folder: its
+    ranks relay to the broker at ``broker`` (host:port), proving themselves with ``key``."""
+    relay = {"broker": broker, "job": job_id, "key": key.hex()}
+    socket_dir = prepare_job(settings, job_dir, relay)
+    rendezvous = Rendezvous(nodes.count, nodes.endpoint, job_id)
+    return TorchrunJob(job_dir, per_node, RANK_WRAPPER, rendezvous), socket_dir
+
+
+def prepare_job(settings: JobSettings, job_dir: Path, relay: dict[str, str]) -> Path:
+    """The job's folder, with the sandbox plan its wrappers read; returns its sockets' folder.
+
+    ``relay``: for a job across nodes, where and how the wrappers reach the broker.
+    """
+    job_dir.mkdir(parents=True)
+    # A Unix socket's path must be short (108 bytes): not under a deep temporary directory.
+    socket_dir = Path(tempfile.mkdtemp(prefix="grader-sockets-", dir=_short_tmp()))
+    for path in (job_dir, socket_dir):
+        path.chmod(0o711)  # the sandbox's uid reaches its socket, and nothing else here
+    (job_dir / "scratch").mkdir(mode=0o711)
+    SandboxPlan(
+        level=settings.sandbox,
+        socket_dir=str(socket_dir),
+        import_dir=str(settings.import_dir),
+        hidden=[str(p) for p in settings.hidden],
+        readable=[str(p) for p in settings.readable],
+        pythonpath=settings.pythonpath,
+        memory_bytes=settings.memory_bytes,
+        device=settings.device,
+        **relay,
+    ).write(job_dir)
+    return socket_dir
+
+
+def _short_tmp() -> str | None:
+    """/tmp when it is writable (short paths), else the system's temporary directory."""
+    return "/tmp" if os.access("/tmp", os.W_OK | os.X_OK) else None

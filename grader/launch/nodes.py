@@ -123,7 +123,7 @@ class Head:
         self._links: dict[int, socket.socket] = {}
         self._gone: dict[int, str] = {}
         self._refused_proofs = 0
-        self._job: tuple[str, Serve] | None = None
+        self._job: tuple[str, int, Serve] | None = None  # id, ranks per node, its broker
         self._finished = False
         threading.Thread(target=self._accept, daemon=True).start()
 
@@ -156,9 +156,9 @@ class Head:
     def start_job(self, job_id: str, per_node: int, serve: Serve) -> None:
         """Ranks of ``job_id`` may connect now; every node starts its agent for it."""
         with self._cv:
-            self._job = (job_id, serve)
+            self._job = (job_id, per_node, serve)
             for link in self._links.values():
-                self._send(link, Frame({"type": protocol.JOB, "id": job_id, "per_node": per_node}))
+                self._send_job(link)
 
     def finish(self) -> None:
         """Grading is over: the nodes end their ranks and leave; then the port and store go."""
@@ -174,6 +174,11 @@ class Head:
                 link.close()
         self._listener.close()
         del self._store
+
+    def _send_job(self, link: socket.socket) -> None:
+        if self._job is not None:
+            job_id, per_node, _ = self._job
+            self._send(link, Frame({"type": protocol.JOB, "id": job_id, "per_node": per_node}))
 
     def _send(self, link: socket.socket, frame: Frame) -> None:
         with contextlib.suppress(OSError):  # the link's reader sees it end, and says so
@@ -231,7 +236,7 @@ class Head:
         ):
             sock.close()  # a rank of a job that is over, or of none
             return
-        current[1](rank, sock, True)
+        current[2](rank, sock, True)
 
     def _serve_node(self, sock: socket.socket, node: Any) -> None:
         with self._cv:
@@ -240,10 +245,7 @@ class Head:
                 return
             self._links[node] = sock
             self._send(sock, self._run)
-            if self._job is not None:  # joined late: it starts the current job too
-                per_node = self.world_size // self.nodes.count
-                job = Frame({"type": protocol.JOB, "id": self._job[0], "per_node": per_node})
-                self._send(sock, job)
+            self._send_job(sock)  # joined late: it starts the current job too
             self._cv.notify_all()
         said = f"node {node}'s grader stopped (or the connection to it broke)"
         try:

@@ -15,9 +15,7 @@ what happened (:mod:`grader.testkit.failures`), blaming the root cause.
 from __future__ import annotations
 
 import itertools
-import os
 import shutil
-import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -28,8 +26,8 @@ from grader import failures, protocol, wire
 from grader.broker.ops import Problem, Returned
 from grader.broker.server import Broker
 from grader.broker.traffic import Traffic
-from grader.launch.job import Rendezvous, TorchrunJob, log_tail
-from grader.launch.sandboxed import SandboxPlan, last_words, rank_exit
+from grader.launch.job import RANK_WRAPPER, TorchrunJob, log_tail, node_job, prepare_job
+from grader.launch.sandboxed import last_words, rank_exit
 from grader.protocol import RankError, RankExit
 from grader.wire import Frame
 
@@ -214,33 +212,32 @@ class RankPool:
         self._jobs += 1
         job_dir = self.settings.work_dir / f"job{self._jobs}"
         broker = Broker(self.size)
-        head, per_node, rendezvous, relay = self.settings.head, self.size, None, {}
-        if head is not None:  # every rank, this node's too, relays to the broker via the head
+        head = self.settings.head
+        if head is None:
+            socket_dir = prepare_job(self.settings, job_dir, {})
+            broker.listen_unix(socket_dir)
+            job = TorchrunJob(job_dir, self.size, RANK_WRAPPER)
+        else:  # every rank, this node's too, relays to the broker via the head
             job_id = f"grader-job{self._jobs}"
             per_node = head.nodes.per_node(self.size)
-            rendezvous = Rendezvous(head.nodes.count, head.nodes.endpoint, job_id)
             head.start_job(job_id, per_node, broker.serve)
-            relay = {"broker": head.address, "job": job_id, "key": head.key.hex()}
-        socket_dir = prepare_job(self.settings, job_dir, relay)
-        if head is None:
-            broker.listen_unix(socket_dir)
-        job = TorchrunJob(job_dir, per_node, "grader.launch.sandboxed", rendezvous)
+            job, socket_dir = node_job(
+                self.settings, job_dir, head.nodes, job_id, per_node, head.address, head.key
+            )
         job.start()
         deadline = time.monotonic() + _START_SECONDS
         while len(broker.connected()) < self.size:
-            if head is not None and (gone := head.problem()) is not None:
-                job.kill()
-                broker.close()
-                shutil.rmtree(socket_dir, ignore_errors=True)
-                raise failures.GraderFailure(gone)
-            if not job.running() or broker.dead() or time.monotonic() > deadline:
+            failure = head.problem() if head is not None else None
+            if failure is None and (
+                not job.running() or broker.dead() or time.monotonic() > deadline
+            ):
                 reason = _first_words(job_dir, broker, self.size) or log_tail(job_dir, 3)
+                failure = f"the grader could not start a job of {self.size} ranks: {reason}"
+            if failure is not None:
                 job.kill()
                 broker.close()
                 shutil.rmtree(socket_dir, ignore_errors=True)
-                raise failures.GraderFailure(
-                    f"the grader could not start a job of {self.size} ranks: {reason}"
-                )
+                raise failures.GraderFailure(failure)
             time.sleep(0.02)
         return _Job(job, broker, job_dir, socket_dir)
 
@@ -251,7 +248,8 @@ class RankPool:
         dead = broker.dead()
         if dead or not job.job.running():
             time.sleep(0.2)  # let the exit statuses land
-            exits = {r: self._exit(job, r) for r in dead or range(self.size)}
+            head = self.settings.head
+            exits = {r: _ended(head, broker, job.job_dir, r) for r in dead or range(self.size)}
             self._check_nodes(exits)
             culprit = _first_dead(exits)
             during = "while importing the submission" if culprit in importing else "during the call"
@@ -288,13 +286,6 @@ class RankPool:
             self.poisoned[part] = type(failure)(f"importing {importing[culprit]} {ends}")
         raise failure
 
-    def _exit(self, job: _Job, rank: int) -> RankExit | None:
-        """How a rank ended: across nodes, as its relay told the broker (no other machine's
-        files are read); on one machine, as its wrapper left it in the job's folder."""
-        if self.settings.head is not None:
-            return job.broker.exits.get(rank)
-        return rank_exit(job.job_dir, rank)
-
     def _check_nodes(self, exits: dict[int, RankExit | None]) -> None:
         """Across nodes, a rank whose relay said nothing, or a node gone, is the grader's
         failure, not the student's: the machinery between nodes broke."""
@@ -318,36 +309,6 @@ class RankPool:
             self._job.broker.close()
             shutil.rmtree(self._job.socket_dir, ignore_errors=True)
             self._job = None
-
-
-def prepare_job(settings: JobSettings, job_dir: Path, relay: dict[str, str]) -> Path:
-    """The job's folder, with the sandbox plan its wrappers read; returns its sockets' folder.
-
-    ``relay``: for a job across nodes, where and how the wrappers reach the broker.
-    """
-    job_dir.mkdir(parents=True)
-    # A Unix socket's path must be short (108 bytes): not under a deep temporary directory.
-    socket_dir = Path(tempfile.mkdtemp(prefix="grader-sockets-", dir=_short_tmp()))
-    for path in (job_dir, socket_dir):
-        path.chmod(0o711)  # the sandbox's uid reaches its socket, and nothing else here
-    (job_dir / "scratch").mkdir(mode=0o711)
-    SandboxPlan(
-        level=settings.sandbox,
-        socket_dir=str(socket_dir),
-        import_dir=str(settings.import_dir),
-        hidden=[str(p) for p in settings.hidden],
-        readable=[str(p) for p in settings.readable],
-        pythonpath=settings.pythonpath,
-        memory_bytes=settings.memory_bytes,
-        device=settings.device,
-        **relay,
-    ).write(job_dir)
-    return socket_dir
-
-
-def _short_tmp() -> str | None:
-    """/tmp when it is writable (short paths), else the system's temporary directory."""
-    return "/tmp" if os.access("/tmp", os.W_OK | os.X_OK) else None
 
 
 _PROBLEM_ORDER = ("protocol", "mismatch", "bad_peer", "disagreement", "deadlock", "unreceived")
@@ -397,3 +358,11 @@ def _first_words(job_dir: Path, broker: Broker, size: int) -> str:
         if words:
             return words
     return ""
+
+
+def _ended(head: Head | None, broker: Broker, job_dir: Path, rank: int) -> RankExit | None:
+    """How a rank ended: across nodes, as its relay told the broker (no other machine's files
+    are read); on one machine, as its wrapper left it in the job's folder."""
+    if head is not None:
+        return broker.exits.get(rank)
+    return rank_exit(job_dir, rank)

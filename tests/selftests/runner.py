@@ -97,11 +97,11 @@ class Graded:
         return [e["name"] for e in self.tests]
 
 
-def run_grader(
-    args: list[str], timeout: float = 600, cwd: Path = REPO, env: dict[str, str] | None = None
-) -> subprocess.CompletedProcess:
-    """Run `python -m grader ARGS`; on timeout, stop it as Ctrl-C would, then for good."""
-    process = subprocess.Popen(
+def start_grader(
+    args: list[str], cwd: Path = REPO, env: dict[str, str] | None = None
+) -> subprocess.Popen[str]:
+    """`python -m grader ARGS`, started in a session of its own, its output piped."""
+    return subprocess.Popen(
         [sys.executable, "-m", "grader", *args],
         cwd=cwd,
         stdout=subprocess.PIPE,
@@ -110,6 +110,13 @@ def run_grader(
         env={**os.environ, "COLUMNS": "200", "NO_COLOR": "1", **(env or {})},
         start_new_session=True,
     )
+
+
+def run_grader(
+    args: list[str], timeout: float = 600, cwd: Path = REPO, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
+    """Run `python -m grader ARGS`; on timeout, stop it as Ctrl-C would, then for good."""
+    process = start_grader(args, cwd, env)
     try:
         stdout, stderr = process.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from grader.bench.runner import BenchResult, plot, projection_caption
+from grader.testkit.calls import COLLECTIVES
 
 SIZES = [4096 * 4**k for k in range(5)]
 
@@ -31,16 +32,7 @@ def records(functions: list[str], world_size: int) -> list[dict]:
     "functions",
     [
         ["all_reduce"],
-        [
-            "broadcast",
-            "reduce",
-            "all_reduce",
-            "scatter",
-            "gather",
-            "all_gather",
-            "reduce_scatter",
-            "all_to_all",
-        ],
+        list(COLLECTIVES),
     ],
 )
 def test_plot_is_wide_with_the_legend_outside_the_panels(functions: list[str], tmp_path: Path):

@@ -13,12 +13,11 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
-from runner import REPO, Graded, materialize, run_grader
+from runner import Graded, materialize, run_grader, start_grader
 
 from grader.launch.job import descendants, process_alive
 
@@ -33,18 +32,6 @@ def _free_port() -> int:
 
 def _nodes(port: int, rank: int) -> list[str]:
     return ["--nnodes", "2", "--node-rank", str(rank), "--rdzv-endpoint", f"localhost:{port}"]
-
-
-def _start(args: list[str], env: dict[str, str] | None = None) -> subprocess.Popen[str]:
-    return subprocess.Popen(
-        [sys.executable, "-m", "grader", *args],
-        cwd=REPO,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env={**os.environ, "COLUMNS": "200", "NO_COLOR": "1", **(env or {})},
-        start_new_session=True,
-    )
 
 
 def _end(*processes: subprocess.Popen[str]) -> None:
@@ -82,7 +69,7 @@ def _assert_all_ended(pids: list[int]) -> None:
 
 def test_a_job_across_two_nodes_is_judged_as_on_one(tmp_path: Path) -> None:
     port = _free_port()
-    node = _start(["run", *_nodes(port, 1)])  # before the head: it waits for it
+    node = start_grader(["run", *_nodes(port, 1)])  # before the head: it waits for it
     results = tmp_path / "results.json"
     submission = materialize("nodes_faults", tmp_path)
     try:
@@ -130,9 +117,9 @@ def test_a_node_that_dies_ends_the_run_and_leaves_nothing(killed: str, tmp_path:
     too, every rank with it, and the student is not blamed: exit status 2."""
     port = _free_port()
     spinning = materialize("coll_faults", tmp_path)
-    node = _start(["run", *_nodes(port, 1)])
+    node = start_grader(["run", *_nodes(port, 1)])
     selection = ["collectives", "-k", "scatter", "--world-size", "4", "--submission", str(spinning)]
-    head = _start(["run", *selection, *_nodes(port, 0)])
+    head = start_grader(["run", *selection, *_nodes(port, 0)])
     try:
         started = _when_running([head, node])
         victim, survivor = (head, node) if killed == "node 0" else (node, head)
@@ -151,7 +138,9 @@ def test_a_node_that_dies_ends_the_run_and_leaves_nothing(killed: str, tmp_path:
 
 def test_a_node_with_another_secret_is_turned_away() -> None:
     port = _free_port()
-    head = _start(["run", "collectives", "-k", "scatter", "--world-size", "4", *_nodes(port, 0)])
+    head = start_grader(
+        ["run", "collectives", "-k", "scatter", "--world-size", "4", *_nodes(port, 0)]
+    )
     try:
         node = run_grader(
             ["run", *_nodes(port, 1)], timeout=120, env={"GRADER_SECRET": "not the course's"}
