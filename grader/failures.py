@@ -56,5 +56,7 @@ BY_PROBLEM = {
     "bad_peer": CommunicationError,
     "disagreement": CommunicationError,
     "unreceived": CommunicationError,
+    "unwaited": CommunicationError,
+    "limit": CommunicationError,
     "protocol": CommunicationError,
 }

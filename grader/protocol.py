@@ -14,7 +14,8 @@ Rank to broker::
     send       {op, peer, group, tag, dtype, numel, at} + payload
     recv       {op, peer, group, tag, dtype, numel, at}
     collective {op, name, group, inputs, outputs, root?, reduce_op?, at} + payloads
-    wait       {op}                                    the rank blocks until op completes
+    wait       {op, block}                             hand op's outcome over (block: the rank
+                                                       waits for it; else a test or a future)
     result     {call, value, rebound}                  + tensors: the call returned
     failure    {call, error}                           the call raised
     stack      {frames}                                answer to dump_stack

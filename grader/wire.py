@@ -19,6 +19,7 @@ rank, and the caller's tensors come back as the caller's tensors.
 from __future__ import annotations
 
 import json
+import math
 import socket
 import struct
 from dataclasses import dataclass, field
@@ -128,6 +129,8 @@ def encode(value: Any, buffers: list[bytes]) -> Any:
 
 def _encode_tensor(tensor: torch.Tensor, buffers: list[bytes]) -> dict[str, Any]:
     tensor = tensor.detach().cpu()
+    if _span(tuple(tensor.shape), tuple(tensor.stride())) < tensor.numel():
+        tensor = tensor.contiguous()  # a view whose elements share storage (an expand): copy
     dtype = str(tensor.dtype).removeprefix("torch.")
     if dtype not in DTYPES:
         raise WireError(f"cannot send a tensor of {tensor.dtype}")
@@ -202,6 +205,10 @@ def _decode_tensor(node: dict[str, Any], buffers: list[bytes]) -> torch.Tensor:
     if not isinstance(index, int) or not 0 <= index < len(buffers):
         raise WireError("tensor points at no buffer")
     span = _span(tuple(shape), tuple(stride))
+    if math.prod(shape) > span:
+        # Elements sharing storage (a stride 0): a few bytes would become a huge tensor on
+        # the trusted side the moment it is compared or copied. Honest senders copy first.
+        raise WireError(f"a tensor of shape {shape[:8]} views only {span} elements of storage")
     data = buffers[index]
     itemsize = torch.empty((), dtype=dtype).element_size()
     if len(data) != span * itemsize:

@@ -8,7 +8,7 @@ refuses the operations involved.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 
 from grader.broker.ops import Op, RankState
 
@@ -47,4 +47,33 @@ def leftovers(sends: Queues, recvs: Queues) -> Iterator[tuple[Op, str, str]]:
                 f"rank {op.rank} posted a receive from rank {op.peer} (at {op.at or '?'}) "
                 "that no message matched",
                 "no message matched this receive",
+            )
+
+
+def never_waited(ops: Iterable[Op]) -> Iterator[str]:
+    """Each request that completed but that its rank never waited for, in rank order.
+
+    On NCCL an ``isend`` not waited may see its buffer reused before it is sent, and a
+    receive's data is only there once it is waited for (here too: the broker hands a message
+    to its rank when the rank waits, ``is_completed()`` or ``get_future()`` included).
+    """
+    for op in sorted(ops, key=lambda op: (op.rank, op.id)):
+        if op.waited or op.refused:
+            continue
+        where = f" at {op.at or '?'}"
+        if op.kind == "send":
+            yield (
+                f"rank {op.rank}: the isend to rank {op.peer}{where} was never waited: call "
+                ".wait() on its request before the function returns (on NCCL its buffer may "
+                "be reused before it is sent)"
+            )
+        elif op.kind == "recv":
+            yield (
+                f"rank {op.rank}: the irecv from rank {op.peer}{where} was never waited, so "
+                "its data never arrived: call .wait() on its request before using the tensor"
+            )
+        else:
+            yield (
+                f"rank {op.rank}: the {op.kind}{where} (async_op=True) was never waited: "
+                "call .wait() on its handle before using the result"
             )

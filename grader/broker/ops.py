@@ -10,6 +10,7 @@ import torch
 
 from grader import wire
 from grader.protocol import ProtocolError, RankError, TensorMeta
+from grader.wire import Frame
 
 
 @dataclass(frozen=True)
@@ -42,7 +43,11 @@ class Op:
     meta: TensorMeta | None = None
     payload: list[bytes] = field(default_factory=list)
     info: dict[str, Any] = field(default_factory=dict)
-    done: bool = False
+    done: bool = False  # the broker has decided it: matched, computed or refused
+    waited: bool = False  # the rank asked for its outcome (wait, is_completed, get_future)
+    held: Frame | None = None  # its outcome, kept until the rank asks for it
+    refused: bool = False
+    event: int = -1  # its position in the rank's traffic record
 
     def describe(self) -> str:
         where = f" at {self.at}" if self.at else ""
@@ -65,6 +70,30 @@ class RankState:
     outcome: Returned | RankError | None = None
     importing: str = ""
     stack: list[str] | None = None
+    buffered: int = 0  # bytes the broker holds for this rank's call (see Limits)
+    posted: int = 0  # operations and marks posted in this call
+    broken: bool = False  # broke the protocol in this call: the call is over for it
+
+    def start_call(self) -> None:
+        self.running, self.outcome, self.stack, self.broken = True, None, None, False
+        self.buffered = self.posted = 0
+
+
+MiB = 1 << 20
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What one rank may cost the broker during one call; beyond it, the rank is at fault.
+
+    A rank that floods the grader (sends nobody receives, receives or marks posted in a
+    loop) must not exhaust the trusted side's memory: every byte and every record the broker
+    keeps for a call is counted against the rank that made it.
+    """
+
+    buffered_bytes: int = 256 * MiB  # payloads held: its sends not yet received, its results
+    operations: int = 20_000  # sends, receives, collectives, waits and marks per call
+    frame_bytes: int = 256 * MiB + MiB  # one frame from a rank, read before anything else
 
 
 def itemsize(meta: TensorMeta) -> int:

@@ -13,7 +13,15 @@ faults exactly and at once, with no timeout:
 - a send and its receive that disagree on size or dtype;
 - a message to a rank outside the group;
 - a collective where the part forbids them, or one the ranks disagree on;
-- a message sent and never received, at the end of a call.
+- a message sent and never received, or a request never waited, at the end of a call;
+- a rank that costs the trusted side more than :class:`~grader.broker.ops.Limits` allows.
+
+A frame is checked against what it carries (a payload of exactly the bytes its
+description says), and a received message or a collective's result is handed
+to its rank only once the rank waits for it (``wait``, ``is_completed``,
+``get_future``): the waits the broker records are then the points after which
+a rank can have used what it received, which is what the replays of
+:mod:`grader.judge.replay` rest on.
 
 One thread reads each rank; all state is guarded by one lock. Handlers are
 ``rank_<type>`` methods, one per message type of :mod:`grader.protocol`.
@@ -33,20 +41,22 @@ from typing import Any
 from grader import protocol, wire
 from grader.broker import collectives, faults
 from grader.broker.ops import (
+    Limits,
     Op,
     Problem,
     RankState,
     Returned,
     nbytes,
 )
-from grader.broker.traffic import Event, Traffic
+from grader.broker.traffic import Event, Traffic, Wait
 from grader.protocol import ProtocolError, RankError, RankExit, TensorMeta, clean, field_int
 from grader.wire import Frame
 
 
 class Broker:
-    def __init__(self, world_size: int) -> None:
+    def __init__(self, world_size: int, limits: Limits | None = None) -> None:
         self.world_size = world_size
+        self.limits = limits or Limits()
         self._cv = threading.Condition()
         self._ranks = [RankState(r) for r in range(world_size)]
         self._listeners: list[socket.socket] = []
@@ -78,6 +88,12 @@ class Broker:
         with self._cv:
             return [r.rank for r in self._ranks if not r.alive]
 
+    def broken(self) -> list[int]:
+        """The ranks whose call the broker ended (a broken protocol, a limit passed): what they
+        run now is no call's, so their job must not serve another."""
+        with self._cv:
+            return [r.rank for r in self._ranks if r.broken]
+
     def start_call(self, frames: list[Frame], forbid_collectives: bool) -> None:
         """Send rank r ``frames[r]``: the call runs on the first ``len(frames)`` ranks."""
         with self._cv:
@@ -85,7 +101,7 @@ class Broker:
             self._reset_call()
             self.forbid_collectives = forbid_collectives
             for state, frame in zip(self._ranks, frames, strict=False):
-                state.running, state.outcome, state.stack = True, None, None
+                state.start_call()
                 self._send(state.rank, frame)
 
     def wait_call(self, deadline: float, alive: Callable[[], bool]) -> bool:
@@ -164,7 +180,7 @@ class Broker:
             self._ranks[rank].sock = sock
             self._cv.notify_all()
         try:
-            while (frame := wire.recv_frame(sock)) is not None:
+            while (frame := wire.recv_frame(sock, self.limits.frame_bytes)) is not None:
                 with self._cv:
                     if relayed and frame.header["type"] in protocol.RELAY_ONLY:
                         self._relay_said(rank, frame)
@@ -189,13 +205,25 @@ class Broker:
             self._fault(protocol.ERROR, "protocol", f"rank {rank} broke the protocol: {error}")
 
     def _handle(self, rank: int, frame: Frame) -> None:
+        state = self._ranks[rank]
+        if state.broken:
+            return  # nothing a rank says after breaking the protocol counts in this call
         handler = getattr(self, f"rank_{frame.header['type']}", None)
         try:
             if handler is None:
                 raise ProtocolError(f"unknown message {clean(frame.header['type'], 40)!r}")
-            handler(self._ranks[rank], frame)
+            handler(state, frame)
+        except LimitExceeded as err:
+            message = f"rank {rank} {err}"
+            self._fault(protocol.ERROR, "limit", message)
         except (ProtocolError, wire.WireError, KeyError, TypeError, ValueError) as err:
-            self._fault(protocol.ERROR, "protocol", f"rank {rank} broke the protocol: {err}")
+            message = f"rank {rank} broke the protocol: {err}"
+            self._fault(protocol.ERROR, "protocol", message)
+        else:
+            return
+        if state.running:  # its call is over: the broker no longer listens to it
+            state.broken = True
+            self._finish(state, RankError("BrokerRefused", clean(message)))
 
     def _send(self, rank: int, frame: Frame) -> None:
         sock = self._ranks[rank].sock
@@ -222,6 +250,7 @@ class Broker:
 
     def rank_mark(self, state: RankState, frame: Frame) -> None:
         if state.running:
+            self._count(state)
             label = clean(frame.header.get("label", ""), 80)
             self.traffic.per_rank[state.rank].append(Event("mark", -1, 0, at=label))
 
@@ -229,8 +258,9 @@ class Broker:
         op = self._op(state, frame, "send")
         if len(frame.buffers) != 1 or op.meta is None:
             raise ProtocolError("a send carries exactly one tensor")
-        op.payload = frame.buffers
-        if self._check_peer(op):
+        _check_payload(op.meta, frame.buffers[0], "a send")
+        if self._check_peer(op) and self._hold(state, op, len(frame.buffers[0])):
+            op.payload = frame.buffers
             self._queue(self._sends, (op.rank, op.peer, op.tag), op)
 
     def rank_recv(self, state: RankState, frame: Frame) -> None:
@@ -261,11 +291,18 @@ class Broker:
             "inputs": [TensorMeta.read(m) for m in frame.header.get("inputs", [])],
             "outputs": [TensorMeta.read(m) for m in frame.header.get("outputs", [])],
         }
+        if len(frame.buffers) != len(op.info["inputs"]):
+            raise ProtocolError("a collective carries one payload per input tensor")
+        for meta, buffer in zip(op.info["inputs"], frame.buffers, strict=True):
+            _check_payload(meta, buffer, f"{name}'s input")
         op.payload = frame.buffers
         nbytes = sum(len(b) for b in op.payload)
+        if not self._hold(state, op, nbytes):
+            return
         inputs = op.info["inputs"]
         dtype = inputs[0].dtype if inputs else ""
         # As posted, with the dtype: a bucket flattened in float32 shows here, not only in bytes.
+        op.event = len(self.traffic.per_rank[state.rank])
         self.traffic.per_rank[state.rank].append(Event(name, -1, nbytes, at=op.at, dtype=dtype))
         sequence = self._sequence[(state.rank, group)]
         self._sequence[(state.rank, group)] += 1
@@ -276,8 +313,18 @@ class Broker:
             self._run_collective([pending[r] for r in group])
 
     def rank_wait(self, state: RankState, frame: Frame) -> None:
+        """The rank asks for an operation's outcome; ``block``: it waits until it comes."""
         op = self._ops.get((state.rank, field_int(frame.header, "op", 0)))
-        if op is not None and not op.done:
+        if op is None:
+            return
+        self._count(state)
+        if not op.waited:
+            op.waited = True
+            waits = self.traffic.waits[state.rank]
+            waits.append(Wait(len(self.traffic.per_rank[state.rank]), op.event))
+        if op.held is not None:
+            self._deliver(op)
+        elif not op.done and frame.header.get("block", True) is not False:
             state.blocked_on = op
             self._check_deadlock()
 
@@ -295,6 +342,7 @@ class Broker:
     def _op(self, state: RankState, frame: Frame, kind: str) -> Op:
         if not state.running:
             raise ProtocolError("an operation outside of any call")
+        self._count(state)
         header = frame.header
         op = Op(
             state.rank,
@@ -336,6 +384,7 @@ class Broker:
 
     def _queue(self, queues: dict[tuple[int, int, int], deque[Op]], key: Any, op: Op) -> None:
         queues[key].append(op)
+        op.event = len(self.traffic.per_rank[op.rank])
         self.traffic.per_rank[op.rank].append(
             Event(op.kind, op.peer, nbytes(op.meta) if op.meta else 0, op.tag)
         )
@@ -358,7 +407,9 @@ class Broker:
             self._refuse(send, "the receive posted for this message has another size or dtype")
             self._refuse(recv, "the message sent here has another size or dtype")
             return
-        self._complete(recv, send.payload)
+        self._ranks[send.rank].buffered -= size  # the payload is the receiver's now
+        payload, send.payload = send.payload, []
+        self._complete(recv, payload)
         self._complete(send, [])
 
     def _run_collective(self, members: list[Op]) -> None:
@@ -369,22 +420,63 @@ class Broker:
             for member in members:
                 self._refuse(member, str(err))
             return
+        finally:
+            for op in members:  # the inputs are consumed; the outputs are held until waited
+                self._ranks[op.rank].buffered -= sum(map(len, op.payload))
+                op.payload = []
         for op, tensors in zip(members, outputs, strict=True):
             self._complete(op, [wire.tensor_buffer(t) for t in tensors])
 
     def _complete(self, op: Op, buffers: list[bytes]) -> None:
-        self._answer(op, Frame({"type": protocol.DONE, "op": op.id}, buffers))
+        """The op succeeded. What it received reaches its rank when the rank waits for it."""
+        op.done = True
+        op.held = Frame({"type": protocol.DONE, "op": op.id}, buffers)
+        self._ranks[op.rank].buffered += sum(map(len, buffers))
+        if op.waited or op.kind == "send":
+            self._deliver(op)
 
     def _refuse(self, op: Op, message: str) -> None:
-        self._answer(op, Frame({"type": protocol.REFUSED, "op": op.id, "message": message}))
+        op.done = op.refused = True
+        op.held = Frame({"type": protocol.REFUSED, "op": op.id, "message": message})
+        self._deliver(op)
 
-    def _answer(self, op: Op, frame: Frame) -> None:
-        """The op is over, and its rank, if it was blocked on it, runs again."""
-        op.done = True
+    def _deliver(self, op: Op) -> None:
+        """Hand the op's outcome to its rank, which runs again if it was blocked on it."""
+        frame, op.held = op.held, None
+        assert frame is not None
         state = self._ranks[op.rank]
+        state.buffered -= sum(map(len, frame.buffers))
+        if op.rank < len(self.traffic.delivered):
+            self.traffic.delivered[op.rank] += sum(map(len, frame.buffers))
         if state.blocked_on is op:
             state.blocked_on = None
         self._send(op.rank, frame)
+
+    def _count(self, state: RankState) -> None:
+        """One more operation, wait or mark of this rank's call, within the limit."""
+        state.posted += 1
+        if state.posted > self.limits.operations:
+            raise LimitExceeded(
+                f"posted more than {self.limits.operations} operations (sends, receives, "
+                "collectives, waits and marks) in one call"
+            )
+
+    def _hold(self, state: RankState, op: Op, size: int) -> bool:
+        """Keep ``size`` more bytes for ``state``'s rank; refuse ``op`` past the limit."""
+        state.buffered += size
+        if state.buffered <= self.limits.buffered_bytes:
+            return True
+        state.buffered -= size
+        limit = self.limits.buffered_bytes >> 20
+        self._fault(
+            protocol.ERROR,
+            "limit",
+            f"rank {state.rank}: the {op.describe()} would leave more than {limit} MiB of its "
+            "messages waiting in the grader (sent but not yet received, or received but "
+            "never waited for)",
+        )
+        self._refuse(op, f"more than {limit} MiB of messages waiting in the grader")
+        return False
 
     # -- faults ----------------------------------------------------------------------------------
 
@@ -413,6 +505,8 @@ class Broker:
         for op, message, reason in faults.leftovers(self._sends, self._recvs):
             self._fault(protocol.ERROR, "unreceived", message)
             self._refuse(op, reason)
+        for message in faults.never_waited(self._ops.values()):
+            self._fault(protocol.ERROR, "unwaited", message)
 
     def _reset_call(self) -> None:
         self.problems: list[Problem] = []
@@ -423,3 +517,14 @@ class Broker:
         self._collectives: dict[tuple[tuple[int, ...], int], dict[int, Op]] = {}
         self._sequence: dict[tuple[int, tuple[int, ...]], int] = defaultdict(int)
         self._leftovers_checked = False
+
+
+class LimitExceeded(ProtocolError):
+    """A rank went past one of :class:`~grader.broker.ops.Limits`: its call is over."""
+
+
+def _check_payload(meta: TensorMeta, buffer: bytes, what: str) -> None:
+    """A payload is exactly the tensor its description says, or the sender broke the protocol:
+    the bytes counted are the bytes carried."""
+    if len(buffer) != nbytes(meta):
+        raise ProtocolError(f"{what} declares {meta} but carries {len(buffer)} bytes")

@@ -25,19 +25,47 @@ class Event:
         return {"op": self.op, "peer": self.peer, "nbytes": self.nbytes, "tag": self.tag}
 
 
+@dataclass(frozen=True)
+class Wait:
+    """A rank asked for an operation's outcome: it could not use a received message before."""
+
+    after: int  # how many of the rank's events were posted before it
+    of: int  # the position of the awaited event among the rank's events
+
+
 @dataclass
 class Traffic:
-    """Every rank's events during one call."""
+    """Every rank's events during one call, and when it waited for which of them."""
 
     per_rank: list[list[Event]] = field(default_factory=list)
+    waits: list[list[Wait]] = field(default_factory=list)
+    delivered: list[int] = field(default_factory=list)  # bytes handed to each rank
 
     @classmethod
     def empty(cls, world_size: int) -> Traffic:
-        return cls([[] for _ in range(world_size)])
+        ranks = range(world_size)
+        return cls([[] for _ in ranks], [[] for _ in ranks], [0 for _ in ranks])
 
     def messages(self) -> list[list[dict[str, Any]]]:
-        """The point-to-point events of every rank, as the replays want them."""
-        return [[e.as_dict() for e in events if e.peer >= 0] for events in self.per_rank]
+        """Every rank's point-to-point events and its waits for them, in program order, as the
+        replays want them: ``{"op": "wait", "of": i}`` waits for the rank's i-th message."""
+        return [self._messages(rank) for rank in range(len(self.per_rank))]
+
+    def _messages(self, rank: int) -> list[dict[str, Any]]:
+        events, waits = self.per_rank[rank], self.waits[rank] if self.waits else []
+        index: dict[int, int] = {}  # position among all events -> among the messages
+        out: list[dict[str, Any]] = []
+        pending = iter(waits)
+        wait = next(pending, None)
+        for position in range(len(events) + 1):
+            while wait is not None and wait.after == position:
+                if wait.of in index:
+                    out.append({"op": "wait", "of": index[wait.of]})
+                wait = next(pending, None)
+            if position < len(events) and events[position].peer >= 0:
+                index[position] = len(out)
+                out.append(events[position].as_dict())
+        return out
 
     def collectives(self, rank: int, *names: str) -> list[Event]:
         return [

@@ -16,12 +16,15 @@ messages only: local arithmetic, which the broker cannot see, is not timed.
 
 from __future__ import annotations
 
+import functools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from grader.judge import communication
 from grader.judge.projection import machines, project
+from grader.judge.replay import ReplayError
 from grader.report.units import duration, size
 
 Messages = list[list[dict[str, Any]]]  # every rank's point-to-point events, in program order
@@ -34,6 +37,20 @@ class Judgement:
     details: dict[str, Any] = field(default_factory=dict)
 
 
+def replayable(judge: Callable[..., Judgement]) -> Callable[..., Judgement]:
+    """A message pattern that cannot be replayed to its end earns nothing, and says why."""
+
+    @functools.wraps(judge)
+    def judged(*args: Any, **kwargs: Any) -> Judgement:
+        try:
+            return judge(*args, **kwargs)
+        except ReplayError as err:
+            return Judgement(0.0, str(err))
+
+    return judged
+
+
+@replayable
 def judge_communication(
     function: str, p: int, n_bytes: int, mine: Messages, theirs: Messages, allowed: float
 ) -> Judgement:
@@ -78,6 +95,7 @@ def judge_communication(
     return Judgement(0.0, f"{advice}\n{table}", details)
 
 
+@replayable
 def judge_performance(
     function: str,
     p: int,

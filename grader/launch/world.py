@@ -162,7 +162,11 @@ class RankPool:
         seconds = time.monotonic() - started
         if not finished:
             self._stop_job(job, part, seconds, suffix)
-        return self._judge(job.broker, world_size, suffix, seconds)
+        try:
+            return self._judge(job.broker, world_size, suffix, seconds)
+        finally:
+            if job.broker.broken():
+                self.close()
 
     def _judge(self, broker: Broker, size: int, suffix: str, seconds: float) -> CallResult:
         outcomes = broker.outcomes()
@@ -311,7 +315,10 @@ class RankPool:
             self._job = None
 
 
-_PROBLEM_ORDER = ("protocol", "mismatch", "bad_peer", "disagreement", "deadlock", "unreceived")
+_PROBLEM_ORDER = (
+    "protocol", "limit", "mismatch", "bad_peer", "disagreement", "deadlock", "unreceived",
+    "unwaited",
+)  # fmt: skip
 
 
 def _echo(outcome: Returned | RankError | None, problems: list[Problem]) -> bool:

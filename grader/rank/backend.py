@@ -48,12 +48,14 @@ class BrokerWork(dist._Work):
         return True
 
     def is_completed(self) -> bool:
+        self._op.ask(self._link)  # a test, as MPI_Test: the outcome is wanted from here on
         return self._op.done.is_set()
 
     def is_success(self) -> bool:
-        return self._op.done.is_set() and self._op.error is None
+        return self.is_completed() and self._op.error is None
 
     def get_future(self) -> torch.futures.Future[Any]:
+        self._op.ask(self._link)  # the future completes once the broker hands the result over
         return self._future
 
     def _finish(self) -> None:
@@ -75,6 +77,7 @@ class BrokerGroup(dist.ProcessGroup):
 
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int) -> BrokerWork:
         (tensor,) = tensors
+        _check_contiguous(tensor, "send")
         return self._post(
             protocol.SEND,
             [wire.tensor_buffer(tensor)],
@@ -88,6 +91,7 @@ class BrokerGroup(dist.ProcessGroup):
 
     def recv(self, tensors: list[torch.Tensor], src: int, tag: int) -> BrokerWork:
         (tensor,) = tensors
+        _check_contiguous(tensor, "recv")
 
         def deliver(frame: Frame) -> None:
             _fill(tensor, frame.buffers[0])
@@ -186,6 +190,24 @@ class BrokerGroup(dist.ProcessGroup):
         if op.done.is_set():
             work._finish()
         return work
+
+
+def _check_contiguous(tensor: torch.Tensor, what: str) -> None:
+    """gloo and NCCL refuse a message in a non-contiguous tensor (a transposed or sliced
+    view): so does the broker, with the fix."""
+    if not tensor.is_contiguous():
+        shape = "x".join(map(str, tensor.shape))
+        raise ValueError(
+            f"input tensor has to be contiguous: {what} of a non-contiguous {tensor.dtype} "
+            f"view [{shape}] with strides {tuple(tensor.stride())} (gloo and NCCL refuse it "
+            f"too); {what} a contiguous buffer instead: "
+            + (
+                "buf = t.contiguous()"
+                if what == "send"
+                else "buf = torch.empty_like(t, memory_format=torch.contiguous_format), then "
+                "t.copy_(buf) once it has arrived"
+            )
+        )
 
 
 def _meta(tensor: torch.Tensor) -> dict[str, Any]:

@@ -35,13 +35,20 @@ class PendingOp:
     on_done: Callable[[Frame], None]
     done: threading.Event = field(default_factory=threading.Event)
     error: str | None = None
+    asked: bool = False
 
     def wait(self, link: BrokerLink) -> None:
-        if not self.done.is_set():
-            link.post(protocol.WAIT, op=self.id)  # the broker now knows this rank is blocked
-            self.done.wait()
+        self.ask(link, block=True)
+        self.done.wait()
         if self.error is not None:
             raise BrokerRefused(self.error)
+
+    def ask(self, link: BrokerLink, block: bool = False) -> None:
+        """Ask the broker for the outcome (it hands a received message over only then);
+        ``block``: this rank now waits for it, which the broker needs to see deadlocks."""
+        if not self.asked or (block and not self.done.is_set()):
+            self.asked = True
+            link.post(protocol.WAIT, op=self.id, block=block)
 
 
 _current: BrokerLink | None = None

@@ -14,6 +14,7 @@ from grader.broker.traffic import Event, Traffic
 from grader.launch.world import CallResult, World
 from grader.testkit.compare import check_close, check_unchanged, on_every_rank, require
 from grader.testkit.data import generator, rank_tensor
+from grader.testkit.information import check_informed
 from grader.testkit.record import TestRecord
 
 __all__ = [
@@ -23,6 +24,7 @@ __all__ = [
     "Traffic",
     "World",
     "check_close",
+    "check_informed",
     "check_unchanged",
     "failures",
     "generator",

@@ -18,7 +18,14 @@ from functools import partial
 import pytest
 import torch
 
-from grader.testkit import CallResult, World, check_close, check_unchanged, rank_tensor
+from grader.testkit import (
+    CallResult,
+    World,
+    check_close,
+    check_informed,
+    check_unchanged,
+    rank_tensor,
+)
 
 DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.int64)
 LARGE = 1_000_003  # elements in all, across the ranks' pieces for the list-based operations
@@ -58,6 +65,11 @@ def cases(op: str, world_size: int, per_item: bool = False) -> Iterator[Case]:
 def roots(world_size: int, case: Case) -> range:
     """Every root for the small cases; the last rank alone for the large one."""
     return range(world_size) if case.shape[0] < LARGE // 8 else range(world_size - 1, world_size)
+
+
+def nbytes(*tensors: torch.Tensor) -> int:
+    """The bytes of data these tensors hold: what a rank must receive to know them."""
+    return sum(t.numel() * t.element_size() for t in tensors)
 
 
 def total(tensors: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
@@ -142,6 +154,7 @@ def test_broadcast(world: World) -> None:
                     before=inputs[r],
                     explanations=data_mistakes(candidates, f"rank {src}'s data"),
                 )
+                check_informed(out, r, nbytes(inputs[src]), what)
 
 
 @pytest.mark.graded(target="collectives.reduce", kind="correctness")
@@ -169,6 +182,8 @@ def test_reduce(world: World) -> None:
                 explanations=partial(sum_mistakes, inputs, expected),
                 before=inputs[dst],
             )
+            if p > 1:  # the sum of the others' tensors: as many bytes as one
+                check_informed(out, dst, nbytes(inputs[dst]), what)
 
 
 @pytest.mark.graded(target="collectives.all_reduce", kind="correctness")
@@ -189,6 +204,8 @@ def test_all_reduce(world: World) -> None:
                 explanations=partial(sum_mistakes, inputs, expected),
                 before=inputs[r],
             )
+            if p > 1:
+                check_informed(out, r, nbytes(inputs[r]), what)
 
 
 @pytest.mark.graded(target="collectives.scatter", kind="correctness")
@@ -212,6 +229,8 @@ def test_scatter(world: World) -> None:
                     before=case.zeros(),
                     explanations=data_mistakes(candidates, f"piece {r} of the scatter_list"),
                 )
+                if r != src:
+                    check_informed(out, r, nbytes(pieces[r]), what)
             for i, item in enumerate(out.args[src][1]):
                 check_unchanged(item, pieces[i], f"{what}: scatter_list[{i}] on the source")
 
@@ -246,6 +265,8 @@ def test_gather(world: World) -> None:
                     before=case.zeros(),
                     explanations=data_mistakes(candidates, f"rank {r}'s tensor"),
                 )
+            others = [inputs[r] for r in range(p) if r != dst]
+            check_informed(out, dst, nbytes(*others), what)
 
 
 @pytest.mark.graded(target="collectives.all_gather", kind="correctness")
@@ -270,6 +291,7 @@ def test_all_gather(world: World) -> None:
                     before=case.zeros(),
                     explanations=data_mistakes(candidates, f"rank {r}'s tensor"),
                 )
+            check_informed(out, rank, nbytes(*(inputs[r] for r in range(p) if r != rank)), what)
 
 
 @pytest.mark.graded(target="collectives.reduce_scatter", kind="correctness")
@@ -294,6 +316,8 @@ def test_reduce_scatter(world: World) -> None:
                 explanations=partial(scatter_mistakes, lists, rank, expected),
                 before=case.zeros(),
             )
+            if p > 1:
+                check_informed(out, rank, nbytes(expected), what)
 
 
 @pytest.mark.graded(target="collectives.all_to_all", kind="correctness")
@@ -321,3 +345,5 @@ def test_all_to_all(world: World) -> None:
                     before=case.zeros(),
                     explanations=data_mistakes(candidates, f"rank {s}'s input_list[{rank}]"),
                 )
+            theirs = [lists[s][rank] for s in range(p) if s != rank]
+            check_informed(out, rank, nbytes(*theirs), what)

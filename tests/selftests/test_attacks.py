@@ -17,7 +17,7 @@ import os
 import time
 from pathlib import Path
 
-from runner import REPO, SUBMISSIONS, run_grader
+from runner import REPO, SUBMISSIONS, materialize, run_grader
 
 from grader.protocol import MAX_TEXT
 
@@ -114,3 +114,29 @@ def test_an_honest_submission_scores_the_same_after_the_attacks(tmp_path: Path) 
     _grade(tmp_path, SUBMISSIONS / "attack_mix", *selection)
     after = _grade(second, REPO / "reference", *selection)
     assert before["score"] == after["score"] == sum(t["max_score"] for t in before["tests"])
+
+
+def test_what_the_trusted_side_checks_cannot_be_fooled(tmp_path: Path) -> None:
+    """``submissions/attack_trust``: a side channel past the broker, frames that lie about what
+    they carry, a result that would blow up when compared, a replay meant to give up, and
+    floods of messages: each earns nothing, and the grader says why."""
+    graded = _grade(tmp_path, materialize("attack_trust", tmp_path / "subs"), "--world-size", "2")
+    tests = {t["name"].split(": ", 1)[1].rsplit(" (world size", 1)[0]: t for t in graded["tests"]}
+    for name in ("all_reduce", "broadcast", "all_gather", "scatter", "gather"):
+        for test in (name, f"communication[{name}]", f"performance[{name}]"):
+            assert tests[test]["score"] == 0, (test, tests[test]["output"])
+    side_channel = tests["all_reduce"]
+    assert side_channel["extra_data"]["outcome"] in ("forbidden", "error"), side_channel
+    assert (
+        "a channel outside torch.distributed" in side_channel["output"]
+        or "Operation not permitted" in side_channel["output"]  # the sandbox refused the lock
+    )
+    assert "declares float32[0] but carries" in tests["broadcast"]["output"]
+    assert "views only 1 elements of storage" in tests["all_gather"]["output"]
+    assert "MiB of its messages waiting in the grader" in tests["scatter"]["output"]
+    assert "more than 20000 operations" in tests["gather"]["output"]
+    # The replay reaches the end of the log: the token messages cost time, never hide it.
+    replayed = tests["performance[reduce_scatter]"]["extra_data"]
+    assert replayed["outcome"] == "passed"
+    assert replayed["time_ratio"] >= 1.0  # its tokens on top of the reference's own ring
+    assert graded["tests"] and _leftovers(tmp_path / "tmp") == set()

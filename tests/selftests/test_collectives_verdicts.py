@@ -187,3 +187,19 @@ def test_every_collective_deadlocking_is_named_at_once(grade):
         )
     # Seen by the broker as it happens: nothing was stopped by a timeout.
     assert not any("stopped after" in t["output"] for t in graded.tests)
+
+
+def test_what_gloo_and_nccl_refuse_is_refused_here_with_the_fix(grade):
+    """A non-contiguous tensor sent or received as it is, and an isend never waited: real
+    backends raise or corrupt the buffer, so the broker refuses them and names the fix."""
+    graded = grade("coll_backend_rules", "collectives", k="broadcast", world_sizes=(2,))
+    assert graded.outcome("broadcast", 2) == "error"
+    message = graded.message("broadcast", 2)
+    assert "input tensor has to be contiguous" in message
+    assert "t.contiguous()" in message and "assignments/collectives.py" in message
+    assert "non-contiguous" in message  # the case that failed: the 3x5 view
+    graded = grade("coll_backend_rules", "collectives", k="all_reduce", world_sizes=(2,))
+    assert graded.outcome("all_reduce", 2) == "error"
+    message = graded.message("all_reduce", 2)
+    assert "the isend to rank 1 at assignments/collectives.py" in message
+    assert "was never waited" in message and ".wait()" in message
