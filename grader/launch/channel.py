@@ -39,7 +39,7 @@ import socket
 import struct
 import threading
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NoReturn
 
 from grader import protocol, wire
 from grader.options import NodesError
@@ -51,6 +51,7 @@ RECORD_BYTES = 1 << 20  # the most a record holds: nothing larger is read before
 _LENGTH = struct.Struct("!I")
 _SEQUENCE = struct.Struct("!Q")
 _TAG = hashlib.sha256().digest_size
+_SMALL = 64 << 10
 _NONCE_CHARS = 32
 
 
@@ -89,9 +90,9 @@ class Sealed:
         self._on_tamper = on_tamper
         self._send_lock = threading.Lock()  # the broker and a relay write from several threads
         self._sent = self._received = 0
-        self._plain = bytearray()  # checked bytes not yet read
+        self._plain, self._offset = memoryview(b""), 0  # a checked record, and how far read
 
-    def _tag(self, key: bytes, sequence: int, length: bytes, data: bytes | memoryview) -> bytes:
+    def _tag(self, key: bytes, sequence: int, length: bytes, data: memoryview) -> bytes:
         mac = hmac.new(key, _SEQUENCE.pack(sequence) + length, hashlib.sha256)
         mac.update(data)
         return mac.digest()
@@ -104,47 +105,53 @@ class Sealed:
                 length = _LENGTH.pack(len(chunk))
                 tag = self._tag(self._send_key, self._sent, length, chunk)
                 self._sent += 1
-                self.sock.sendall(length + bytes(chunk) + tag)
+                if len(chunk) < _SMALL:  # one packet
+                    self.sock.sendall(length + bytes(chunk) + tag)
+                else:  # no copy
+                    for part in (length, chunk, tag):
+                        self.sock.sendall(part)
 
     def recv_into(self, buffer: memoryview, nbytes: int = 0) -> int:
         """Up to ``nbytes`` checked bytes into ``buffer``; 0 when the peer ended the session."""
         nbytes = nbytes or len(buffer)
-        while not self._plain:
+        while self._offset == len(self._plain):
             if not self._next_record():
                 return 0
-        n = min(nbytes, len(self._plain))
-        buffer[:n] = self._plain[:n]
-        del self._plain[:n]
+        n = min(nbytes, len(self._plain) - self._offset)
+        buffer[:n] = self._plain[self._offset : self._offset + n]
+        self._offset += n
         return n
 
     def _next_record(self) -> bool:
         """Read and check one record; False at a clean end between records."""
-        length = self._read(_LENGTH.size, eof_ok=True)
-        if length is None:
+        length = bytearray(_LENGTH.size)
+        if not self._read_into(memoryview(length), eof_ok=True):
             return False
         (size,) = _LENGTH.unpack(length)
         if size > RECORD_BYTES:
             self._tampered(f"a record of {size} bytes, over the limit")
-        body = self._read(size + _TAG)
+        body = memoryview(bytearray(size + _TAG))
+        self._read_into(body)
         data, tag = body[:size], body[size:]
         if not hmac.compare_digest(tag, self._tag(self._recv_key, self._received, length, data)):
             self._tampered(f"record {self._received} failed its integrity check")
         self._received += 1
-        self._plain += data
+        self._plain, self._offset = data, 0
         return True
 
-    def _read(self, n: int, eof_ok: bool = False) -> bytes | None:
-        data = bytearray()
-        while len(data) < n:
-            chunk = self.sock.recv(n - len(data))
-            if not chunk:
-                if eof_ok and not data:
-                    return None
+    def _read_into(self, view: memoryview, eof_ok: bool = False) -> bool:
+        """Fill ``view`` from the socket; False if it ended before the first byte."""
+        got = 0
+        while got < len(view):
+            n = self.sock.recv_into(view[got:])
+            if n == 0:
+                if eof_ok and got == 0:
+                    return False
                 raise ConnectionError("the connection ended in the middle of a record")
-            data += chunk
-        return bytes(data)
+            got += n
+        return True
 
-    def _tampered(self, why: str) -> None:
+    def _tampered(self, why: str) -> NoReturn:
         message = f"{why}: the connection between the nodes was tampered with"
         self._on_tamper(message)
         raise TamperedError(message)
