@@ -113,8 +113,10 @@ def students(batch: Batch) -> list[str]:
 
 def folder_of(out: Path, student: str) -> Path:
     """The student's folder in ``out``: the name itself, unless it is one of the batch's own
-    files or ends with the escape, which then gets one more (one folder per name, always)."""
-    return out / (student + _ESCAPE if student in _OWN or student.endswith(_ESCAPE) else student)
+    files (in any case: macOS's disks ignore it) or ends with the escape, which then gets
+    one more (one folder per name, always)."""
+    own = student.casefold() in _OWN or student.endswith(_ESCAPE)
+    return out / (student + _ESCAPE if own else student)
 
 
 def shown(student: str) -> str:

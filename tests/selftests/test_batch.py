@@ -217,6 +217,17 @@ def test_names_a_student_chose_cannot_break_the_batch_nor_what_a_ta_opens(tmp_pa
     assert (merged / "gradebook.csv~" / "results.json").is_file()
 
 
+def test_no_student_folder_is_a_file_of_the_batch_and_no_two_students_share_one():
+    from grader.batch import FAILURES, GRADEBOOK, SETTINGS, folder_of
+
+    names = ["alice", "gradebook.csv", "Gradebook.CSV", "gradebook.csv~", "gradebook.csv~~"]
+    names += ["batch.json", "FAILURES.TXT", "bob~", "bob"]
+    folders = [folder_of(Path("out"), name).name for name in names]
+    assert len(set(folders)) == len(names)
+    assert not {f.casefold() for f in folders} & {GRADEBOOK, FAILURES, SETTINGS}
+    assert folder_of(Path("out"), "alice") == Path("out/alice")  # CONTRACT: OUT/<student>/
+
+
 @pytest.mark.parametrize(
     "text", ["=1+1", "+1", "-1", "@SUM(A1)", "\tx", "\rx", "'=1", "''", "'", "alice", "", "a=b"]
 )
