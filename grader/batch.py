@@ -9,6 +9,13 @@ interrupted batch, a preempted SLURM task or a failed CI job is finished by runn
 it again. Shards split the sorted students by index modulo N, so that
 ``sbatch --array`` tasks or CI matrix jobs need no shared state, and ``--merge``
 joins their outputs.
+
+A student's name is a folder name, which anyone can choose: it is shown only
+encoded for what shows it. Each student's folder in the output is
+:func:`folder_of` its name, never one of the batch's own files; a gradebook
+cell that a spreadsheet would run as a formula starts with a quote (OWASP's
+advice on CSV injection, undone by ``--merge``); and the terminal and
+failures.txt get it without control characters.
 """
 
 from __future__ import annotations
@@ -27,11 +34,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from grader.protocol import clean
+
 GRADEBOOK, FAILURES, SETTINGS = "gradebook.csv", "failures.txt", "batch.json"
 RESULTS, PARTIAL, LOG = "results.json", ".results.partial.json", "grader.log"
 RANKS_PER_RUN = 4  # the largest world size a grader run launches
 GRACE_SECONDS = 15  # how long a stopped grader gets to end its own jobs before SIGKILL
 EXIT_COMPLETE, EXIT_INCOMPLETE, EXIT_INTERRUPTED = 0, 1, 130
+
+
+_OWN = (GRADEBOOK, FAILURES, SETTINGS)  # what the batch writes beside the students' folders
+_ESCAPE = "~"
+_FORMULA = ("=", "+", "-", "@", "\t", "\r")  # what a spreadsheet may run (OWASP), and "'":
+_QUOTE = "'"  # the prefix that neutralises them, so that a name beginning with it is quoted too
 
 
 class BatchError(Exception):
@@ -96,6 +111,30 @@ def students(batch: Batch) -> list[str]:
     return [name for i, name in enumerate(names) if i % count == index]
 
 
+def folder_of(out: Path, student: str) -> Path:
+    """The student's folder in ``out``: the name itself, unless it is one of the batch's own
+    files (in any case: macOS's disks ignore it) or ends with the escape, which then gets
+    one more (one folder per name, always)."""
+    own = student.casefold() in _OWN or student.endswith(_ESCAPE)
+    return out / (student + _ESCAPE if own else student)
+
+
+def shown(student: str) -> str:
+    """The name as the terminal and failures.txt show it: no control characters."""
+    return clean(student, 200)
+
+
+def to_cell(text: str) -> str:
+    """A gradebook cell that a spreadsheet shows as the text it is, never runs."""
+    return _QUOTE + text if text.startswith((*_FORMULA, _QUOTE)) else text
+
+
+def from_cell(cell: str) -> str:
+    """The text of a cell :func:`to_cell` wrote."""
+    quoted = cell.startswith(_QUOTE) and cell[1:].startswith((*_FORMULA, _QUOTE))
+    return cell[1:] if quoted else cell
+
+
 def complete_results(path: Path) -> dict[str, Any] | None:
     """The results in ``path`` if it is a whole results.json, else None."""
     try:
@@ -110,9 +149,9 @@ def run_batch(batch: Batch) -> int:
     """Grade every student of the shard not graded yet; write the gradebook whatever happens."""
     names = students(batch)
     _check_settings(batch)
-    todo = [s for s in names if complete_results(batch.out / s / RESULTS) is None]
+    todo = [s for s in names if complete_results(folder_of(batch.out, s) / RESULTS) is None]
     for skipped in sorted(set(names) - set(todo)):
-        print(f"{skipped}: already graded, skipped", flush=True)
+        print(f"{shown(skipped)}: already graded, skipped", flush=True)
     failures: dict[str, str] = {}
     interrupted = False
     try:
@@ -120,8 +159,9 @@ def run_batch(batch: Batch) -> int:
     except KeyboardInterrupt:
         interrupted = True
     _write_csv(batch.out / GRADEBOOK, batch.parts, [_row(batch.out, s, batch.parts) for s in names])
-    _write_text(batch.out / FAILURES, "".join(f"{s}: {why}\n" for s, why in failures.items()))
-    missing = [s for s in names if complete_results(batch.out / s / RESULTS) is None]
+    said = "".join(f"{shown(s)}: {why}\n" for s, why in failures.items())
+    _write_text(batch.out / FAILURES, said)
+    missing = [s for s in names if complete_results(folder_of(batch.out, s) / RESULTS) is None]
     print(
         f"gradebook: {batch.out / GRADEBOOK} ({len(names) - len(missing)} of {len(names)} graded)"
     )
@@ -165,15 +205,17 @@ def _grade(batch: Batch, todo: list[str], failures: dict[str, str]) -> None:
                     why = _finish(batch, run, status, timed_out)
                     if why is not None:
                         failures[run.student] = why
-                        log = batch.out / run.student / LOG
-                        print(f"grader batch: {run.student}: {why}; see {log}", file=sys.stderr)
+                        log = shown(str(folder_of(batch.out, run.student) / LOG))
+                        print(
+                            f"grader batch: {shown(run.student)}: {why}; see {log}", file=sys.stderr
+                        )
             time.sleep(0.2)
     finally:
         _stop([run.process for run in running])
 
 
 def _start(batch: Batch, student: str) -> _Running:
-    folder = batch.out / student
+    folder = folder_of(batch.out, student)
     folder.mkdir(parents=True, exist_ok=True)
     for stale in (folder / RESULTS, folder / PARTIAL):
         stale.unlink(missing_ok=True)
@@ -198,7 +240,7 @@ def _start(batch: Batch, student: str) -> _Running:
 
 def _finish(batch: Batch, run: _Running, status: int, timed_out: bool) -> str | None:
     """Promote a finished run's results atomically; why the student has no row, or None."""
-    folder = batch.out / run.student
+    folder = folder_of(batch.out, run.student)
     partial, seconds = folder / PARTIAL, time.monotonic() - run.started
     results = complete_results(partial) if status in (0, 1) and not timed_out else None
     if results is None:
@@ -207,11 +249,13 @@ def _finish(batch: Batch, run: _Running, status: int, timed_out: bool) -> str | 
             return f"stopped after {seconds:.0f} s, the per-student limit (--timeout)"
         if status in (0, 1):
             return f"the grader ended with status {status} but wrote no results.json"
-        return f"the grader could not grade it (exit status {status}): {_last_line(folder / LOG)}"
+        last = clean(_last_line(folder / LOG), 300)
+        return f"the grader could not grade it (exit status {status}): {last}"
     partial.chmod(0o644)  # CONTRACT section 3: results files are 0644
     os.replace(partial, folder / RESULTS)
     maximum = sum(t.get("max_score", 0) for t in results["tests"])
-    print(f"{run.student}: {results['score']:g} / {maximum:g} points ({seconds:.0f} s)", flush=True)
+    points = f"{results['score']:g} / {maximum:g} points ({seconds:.0f} s)"
+    print(f"{shown(run.student)}: {points}", flush=True)
     return None
 
 
@@ -263,7 +307,7 @@ def _last_line(log: Path) -> str:
 
 def _row(out: Path, student: str, parts: list[str]) -> list[str]:
     """A gradebook row: total and each part's points, or empty cells if not graded."""
-    results = complete_results(out / student / RESULTS)
+    results = complete_results(folder_of(out, student) / RESULTS)
     if results is None:
         return [student, "", *([""] * len(parts))]
     by_part = dict.fromkeys(parts, 0.0)
@@ -288,7 +332,7 @@ def merge(shards: list[Path], out: Path) -> int:
         if not book.is_file():
             raise BatchError(f"{shard} has no {GRADEBOOK}: did that shard run to its end?")
         with book.open(newline="") as f:
-            lines = list(csv.reader(f))
+            lines = [[from_cell(cell) for cell in line] for line in csv.reader(f)]
         if not lines or lines[0][:2] != ["student", "total"]:
             raise BatchError(f"{book} is not a gradebook (its first line is not student,total,...)")
         head, *body = lines
@@ -299,15 +343,16 @@ def merge(shards: list[Path], out: Path) -> int:
         for row in body:
             if row[0] in rows:
                 raise BatchError(
-                    f"student {row[0]} is in two shards: {rows[row[0]][0]} and {shard}"
+                    f"student {shown(row[0])} is in two shards: {rows[row[0]][0]} and {shard}"
                 )
             rows[row[0]] = (shard, row)
     if len(settings) > 1:
         raise BatchError("the shards were graded with different selections (see their batch.json)")
     assert header is not None  # argparse requires at least one shard
     for student, (shard, _) in rows.items():
-        if (shard / student).is_dir() and shard.resolve() != out.resolve():
-            shutil.copytree(shard / student, out / student, dirs_exist_ok=True)
+        folder = folder_of(shard, student)
+        if folder.is_dir() and shard.resolve() != out.resolve():
+            shutil.copytree(folder, folder_of(out, student), dirs_exist_ok=True)
     failures = [(s / FAILURES).read_text() for s in shards if (s / FAILURES).is_file()]
     _write_text(out / FAILURES, "".join(failures))
     if settings != {""}:
@@ -320,7 +365,8 @@ def merge(shards: list[Path], out: Path) -> int:
 
 def _write_csv(path: Path, parts: list[str], rows: list[list[str]]) -> None:
     text = io.StringIO()
-    csv.writer(text, lineterminator="\n").writerows([["student", "total", *parts], *rows])
+    table = [["student", "total", *parts], *rows]
+    csv.writer(text, lineterminator="\n").writerows([list(map(to_cell, row)) for row in table])
     _write_text(path, text.getvalue())
 
 

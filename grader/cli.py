@@ -90,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
 
         nodes = Nodes.from_options(args.nnodes, args.node_rank, args.rdzv_endpoint)
         if nodes is not None and not nodes.head:
-            return _lend(nodes)
+            return _lend(nodes, args.sandbox)
         submission = resolve(args.submission, modules)
         if args.backend == "nccl" and not _has_cuda():
             raise UsageError("--backend nccl needs CUDA GPUs, and none is visible")
@@ -186,7 +186,13 @@ def _write(
     try:
         results = draw_failed_schedules(run.results, results_file.parent)
         document = to_gradescope(
-            results, seconds, student_summary(results), config.gradescope, run.sandbox, run.review
+            results,
+            seconds,
+            student_summary(results),
+            config.gradescope,
+            run.sandbox,
+            run.review,
+            run.sandbox_per_node,
         )
         write_results(results_file, document)
     except OSError as err:
@@ -269,13 +275,13 @@ def _batch(args: argparse.Namespace, config: GradingConfig, parts: list[str]) ->
         return batching.run_batch(batch)
 
 
-def _lend(nodes: Nodes) -> int:
+def _lend(nodes: Nodes, sandbox_request: str) -> int:
     """A node other than node 0: lend ranks to node 0's jobs until grading is over."""
     from grader.lend import lend_ranks
 
     try:
         with _terminate_as_interrupt():
-            return lend_ranks(nodes)
+            return lend_ranks(nodes, sandbox_request)
     except KeyboardInterrupt:
         print(f"node {nodes.rank}: interrupted: every worker was stopped", file=sys.stderr)
         return EXIT_INTERRUPTED

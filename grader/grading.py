@@ -63,6 +63,7 @@ class GradingRun:
     sandbox: str  # the level that isolated the student's code
     grader_failure: str | None = None
     review: list[str] = field(default_factory=list)  # constructs a TA should look at
+    sandbox_per_node: list[str] = field(default_factory=list)  # across nodes: node 0 first
 
 
 def grade(
@@ -86,7 +87,7 @@ def grade(
         listener.on_verdict(test, verdict)
 
     work = Path(tempfile.mkdtemp(prefix="grader-")).resolve()
-    interrupted, failure, review = False, None, []
+    interrupted, failure, review, per_node = False, None, [], []
     try:
         work.chmod(0o711)  # the sandbox's uid may pass through to its own socket and scratch
         import_dir = work / "import"
@@ -104,7 +105,7 @@ def grade(
                 record(test, Verdict(*problem))
         if runnable:
             interrupted, failure = _run(
-                config, runnable, work, level, listener.on_start, record, nodes
+                config, runnable, work, level, listener.on_start, record, nodes, per_node
             )
     except KeyboardInterrupt:
         interrupted = True
@@ -119,7 +120,7 @@ def grade(
     results = [
         GradedResult(t, v := verdicts[t.nodeid], t.settings.points * v.share()) for t in tests
     ]
-    return GradingRun(results, interrupted, level.value, failure, review)
+    return GradingRun(results, interrupted, level.value, failure, review, per_node)
 
 
 def _run(
@@ -130,7 +131,9 @@ def _run(
     on_start: Callable[[GradedTest], None],
     on_verdict: Callable[[GradedTest, Verdict], None],
     nodes: Nodes | None,
+    per_node: list[str],
 ) -> tuple[bool, str | None]:
+    """Run the tests; across nodes, ``per_node`` gets the sandbox level each node applied."""
     import_dir = work / "import"
     data.configure(secret(), _digest(import_dir))
     device = _device()
@@ -147,6 +150,7 @@ def _run(
     finally:
         if head is not None:
             head.finish()
+            per_node += [level.value, *(head.levels[n] for n in sorted(head.levels))]
 
 
 def _run_tests(

@@ -3,15 +3,19 @@
     grader run --nnodes 2 --node-rank 1 --rdzv-endpoint HEAD:29400
 
 It joins the head (:mod:`grader.launch.nodes`), receives the staged
-submission and the sandbox level, and then, for each job the head starts,
-starts this node's torchrun agent in the job's rendezvous, with every rank
-relaying to the head's broker. It decides nothing and grades nothing: the
-head writes the results. It ends its job when the head starts the next one,
-says grading is over, or goes.
+submission, and then, for each job the head starts, starts this node's
+torchrun agent in the job's rendezvous, with every rank relaying to the
+head's broker. It grades nothing: the head writes the results. It ends its
+job when the head starts the next one, says grading is over, or goes.
+
+Its sandbox is its own: the level its own ``--sandbox`` asks for (the best
+this machine has, by default) is its minimum. A head that asks for less is
+refused; one that asks for more gets it, if this machine has it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import sys
 import tempfile
@@ -28,12 +32,35 @@ from grader.wire import Frame
 EXIT_DONE, EXIT_FAILED = 0, 2
 
 
-def lend_ranks(nodes: Nodes) -> int:
+_STRENGTH = {sandbox.Level.NONE: 0, sandbox.Level.UID: 1, sandbox.Level.NAMESPACES: 2}
+
+
+def node_level(own: sandbox.Level, asked: object) -> sandbox.Level:
+    """The level this node applies when the head asks for ``asked`` and this node's own
+    minimum is ``own``; SandboxError (one line) if it will not or cannot."""
+    try:
+        wanted = sandbox.Level(asked)
+    except (TypeError, ValueError):
+        said = protocol.clean(asked, 20)
+        raise sandbox.SandboxError(f"the head asks for an unknown sandbox level {said!r}") from None
+    if _STRENGTH[wanted] < _STRENGTH[own]:
+        raise sandbox.SandboxError(
+            f"the head asks for sandbox level {wanted.value!r}, weaker than this node's "
+            f"{own.value!r}: a node never grades below its own level (start node 0 with "
+            f"--sandbox {own.value}, or this node with --sandbox {wanted.value})"
+        )
+    return own if wanted is own else sandbox.detect(wanted.value)
+
+
+def lend_ranks(nodes: Nodes, sandbox_request: str = "auto") -> int:
     """Serve the head's jobs until grading is over; 0 then, 2 if the run broke."""
     key = node_key()
     try:
+        own = sandbox.detect(sandbox_request)  # before the head says anything
         link, address = join_head(nodes, key)
         run = wire.recv_frame(link)
+    except sandbox.SandboxError as err:
+        return _fail(str(err))
     except (OSError, NodesError, wire.WireError) as err:
         return _fail(f"cannot join the head at {nodes.endpoint}: {err}")
     if run is None or run.header["type"] != protocol.RUN or len(run.buffers) != 1:
@@ -43,9 +70,10 @@ def lend_ranks(nodes: Nodes) -> int:
             f"{nodes.rank}?"
         )
     try:
-        level = sandbox.detect(str(run.header["level"]))  # the head's level, or none at all
+        level = node_level(own, run.header.get("level"))
     except sandbox.SandboxError as err:
-        wire.send_frame(link, Frame({"type": protocol.REFUSE, "message": str(err)}))
+        with contextlib.suppress(OSError):
+            wire.send_frame(link, Frame({"type": protocol.REFUSE, "message": str(err)}))
         return _fail(str(err))
     work = Path(tempfile.mkdtemp(prefix="grader-node-")).resolve()
     job: tuple[TorchrunJob, Path] | None = None
@@ -53,7 +81,11 @@ def lend_ranks(nodes: Nodes) -> int:
         work.chmod(0o711)
         unpack_folder(run.buffers[0], work / "import")
         settings = job_settings(work, level, str(run.header["device"]))
-        print(f"node {nodes.rank}: joined the head at {nodes.endpoint}", flush=True)
+        wire.send_frame(link, Frame({"type": protocol.READY, "level": level.value}))
+        print(
+            f"node {nodes.rank}: joined the head at {nodes.endpoint} (sandbox: {level.value})",
+            flush=True,
+        )
         while (frame := wire.recv_frame(link)) is not None:
             if job is not None:
                 _end(job)

@@ -81,7 +81,9 @@ DUMP_STACK = "dump_stack"
 # Frame types between the grader's processes on several nodes.
 CHALLENGE = "challenge"
 JOIN = "join"
+ACCEPT = "accept"  # the head's proof, in answer to a join
 RUN = "run"
+READY = "ready"  # a node took the run, at the sandbox level it names
 JOB = "job"
 FINISH = "finish"
 REFUSE = "refuse"

@@ -10,11 +10,18 @@ files are chosen as the Gradescope zip chooses them
 message patterns, the machine models) travels inside ``grader/``, so the
 release grades the cost tests as the course does, without a reference.
 
+Of ``tests/graded/``, an allow-list too: the configuration, pytest's own
+files (``conftest.py``, ``pytest.ini``), the graded test files students may
+see, and what those use (:func:`_used_by`): the modules of the folder they
+import, and the files they name (by file name or by path from the folder),
+and so on for what those use. A hidden test's data file, a helper only hidden
+tests import, notes: nothing else ships (:attr:`Release.private` names them).
+
 A graded test file whose every test is hidden from students before grading
 (``hidden``, ``after_due_date`` or ``after_published`` in ``grading.yaml``:
 anything but ``visible``) is left out, and the configuration is rewritten
 without it, so that the release's own ``grading.yaml`` loads. A file with some
-hidden tests is shipped whole (a file cannot be split):
+hidden tests is shipped whole (a file cannot be split), with what it uses:
 :attr:`Release.partly_hidden` names it, for a warning.
 """
 
@@ -34,7 +41,9 @@ from grader.gradescope import course_files
 
 # Top-level files and folders of the course directory that students get (with tests/graded/).
 RELEASED = ("pyproject.toml", "README.md", "LICENSE", ".gitignore", "grader", "assignments", "docs")
-_CONFIG_NAME = "tests/graded/grading.yaml"
+_GRADED = "tests/graded/"
+_CONFIG_NAME = _GRADED + "grading.yaml"
+_PYTEST_FILES = ("conftest.py", "pytest.ini")  # what pytest itself reads in the folder
 _REWRITTEN_HEADER = (
     "# The student release's grading configuration, written by `grader release`:\n"
     "# the graded test files whose every test is hidden are left out.\n"
@@ -48,6 +57,7 @@ class Release:
     path: Path
     left_out: tuple[str, ...]  # graded test files (from tests/graded/) whose every test is hidden
     partly_hidden: tuple[str, ...]  # shipped graded test files that hold hidden tests
+    private: tuple[str, ...] = ()  # other files of tests/graded/ that no shipped test uses
 
 
 def build_release(config: GradingConfig, output: Path) -> Release:
@@ -60,12 +70,18 @@ def build_release(config: GradingConfig, output: Path) -> Release:
     if output.exists() and (not output.is_dir() or any(output.iterdir())):
         raise ConfigError(f"cannot release into {output}: it exists and is not an empty folder")
     hidden, partly = _hidden_files(config)
-    dropped = {f"tests/graded/{name}" for name in hidden}
+    everything = course_files(config, RELEASED, output)
+    graded = {name.removeprefix(_GRADED) for _, name in everything if name.startswith(_GRADED)}
+    shown = {_relative(f, config) for p in config.parts.values() for f in p.files} - hidden
+    used = _used_by(config.path.parent, shown | set(_PYTEST_FILES), graded - hidden)
+    shipped = {_GRADED + name for name in used} | {_CONFIG_NAME}
     entries = [
         (file, name)
-        for file, name in course_files(config, RELEASED, output)
-        if name not in dropped and not (hidden and name == _CONFIG_NAME)
+        for file, name in everything
+        if (name in shipped or not name.startswith(_GRADED))
+        and not (hidden and name == _CONFIG_NAME)
     ]
+    private = sorted(graded - used - hidden - {"grading.yaml"})
     if hidden:
         remaining = _config_without(config, hidden)
         if not remaining["parts"]:
@@ -81,7 +97,52 @@ def build_release(config: GradingConfig, output: Path) -> Release:
     except OSError as err:
         raise ConfigError(f"cannot write the release into {output}: {err.strerror}") from err
     load_config(output / _CONFIG_NAME)  # the release must grade: its configuration must load
-    return Release(output, tuple(sorted(hidden)), tuple(sorted(partly)))
+    return Release(output, tuple(sorted(hidden)), tuple(sorted(partly)), tuple(private))
+
+
+def _used_by(folder: Path, names: set[str], files: set[str]) -> set[str]:
+    """``names`` of ``files`` (paths from ``folder``), and whatever of ``files`` they use:
+    the modules of the folder they import and the files they name in a string, in turn."""
+    by_name: dict[str, set[str]] = {}
+    for name in files:
+        by_name.setdefault(Path(name).name, set()).add(name)
+    used, todo = set(), [n for n in names if n in files]
+    while todo:
+        name = todo.pop()
+        if name in used:
+            continue
+        used.add(name)
+        if name.endswith(".py"):
+            for word in _words(folder / name):
+                todo += by_name.get(word, set()) | ({word} & files)
+    return used
+
+
+def _words(file: Path) -> set[str]:
+    """What a Python file names: its string constants, and its imports as the paths of
+    the files they would load (``a.b``: ``a/b.py``, ``a/b/__init__.py``, ``a/__init__.py``)."""
+    words: set[str] = set()
+    for node in ast.walk(_parse(file)):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str):
+            words.add(node.value)
+        modules: list[str] = []
+        if isinstance(node, ast.Import):
+            modules = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            modules = [base, *(f"{base}.{a.name}".lstrip(".") for a in node.names)]
+        for module in filter(None, modules):
+            parts = module.split(".")
+            words |= {"/".join(parts[:i]) + "/__init__.py" for i in range(1, len(parts) + 1)}
+            words.add("/".join(parts) + ".py")
+    return words
+
+
+def _parse(file: Path) -> ast.Module:
+    try:
+        return ast.parse(file.read_text(), str(file))
+    except (OSError, SyntaxError, ValueError) as err:
+        raise ConfigError(f"cannot read the graded test file {file}: {err}") from err
 
 
 def _test_names(file: Path) -> set[str]:
@@ -90,10 +151,7 @@ def _test_names(file: Path) -> set[str]:
     Read from the source, not collected with pytest: collection imports the
     file, and a file that does not import must still be released or left out.
     """
-    try:
-        tree = ast.parse(file.read_text(), str(file))
-    except (OSError, SyntaxError, ValueError) as err:
-        raise ConfigError(f"cannot read the graded test file {file}: {err}") from err
+    tree = _parse(file)
     functions = (ast.FunctionDef, ast.AsyncFunctionDef)
     nodes = [n for n in tree.body if isinstance(n, functions)]
     for klass in (n for n in tree.body if isinstance(n, ast.ClassDef)):

@@ -22,19 +22,21 @@ Supervision reads no other machine's /proc or files:
   and each node's agent ends with its ranks.
 
 Everything between nodes passes through one TCP port of the head, which the
-rendezvous store names. Whoever connects there answers a fresh challenge
-with an HMAC made from the course's secret (which the ranks cannot read);
-the head listens to no one else.
+rendezvous store names, in sessions of :mod:`grader.launch.channel`: the head
+and whoever connects there each prove that they hold a key made from the
+course's secret (which the ranks cannot read), and every frame after that is
+checked. The head listens to no one else, and a node obeys no one else.
+
+No setting of the sandbox is taken from the network: each node grades at its
+own level (its own ``--sandbox``, or the best it has), and refuses a head
+that asks for less; each node says the level it applied, and results.json
+records them.
 """
 
 from __future__ import annotations
 
 import contextlib
-import hashlib
-import hmac
 import io
-import json
-import secrets
 import socket
 import tarfile
 import threading
@@ -45,16 +47,19 @@ from pathlib import Path
 from typing import Any
 
 from grader import protocol, wire
+from grader.launch import channel
+from grader.launch.channel import Sealed, connect
 from grader.options import Nodes, NodesError
 from grader.wire import Frame
 
+__all__ = ["Head", "connect", "join_head", "node_key", "pack_folder", "unpack_folder"]
+
 JOIN_SECONDS = 600.0  # how long the head waits for the other nodes, and they for the head
-_HANDSHAKE_SECONDS = 10.0
-_HANDSHAKE_BYTES = 64 << 10  # a challenge or a join: nothing big is read before the proof
 _PORT_KEY = "grader/port"
 
-# What serves a rank's connection for the current job: Broker.serve.
-Serve = Callable[[int, socket.socket, bool], None]
+# What serves a rank's connection for the current job: Broker.serve (a Sealed reads like a
+# socket).
+Serve = Callable[[int, Sealed, bool], None]
 
 
 def node_key() -> bytes:
@@ -63,38 +68,9 @@ def node_key() -> bytes:
     return derive("grader nodes")
 
 
-# -- the proof -------------------------------------------------------------------------------
-
-
-def _proof(key: bytes, nonce: str, claim: dict[str, Any]) -> str:
-    message = nonce + json.dumps(claim, sort_keys=True)
-    return hmac.new(key, message.encode(), hashlib.sha256).hexdigest()
-
-
-def connect(address: str, key: bytes, claim: dict[str, Any]) -> socket.socket:
-    """A connection to the head at ``address`` that answered its challenge for ``claim``."""
-    host, _, port = address.rpartition(":")
-    sock = socket.create_connection((host.strip("[]"), int(port)), timeout=_HANDSHAKE_SECONDS)
-    _no_delay(sock)
-    challenge = wire.recv_frame(sock, _HANDSHAKE_BYTES)
-    if challenge is None or challenge.header["type"] != protocol.CHALLENGE:
-        sock.close()
-        raise NodesError(f"{address} is not a grader's head")
-    proof = _proof(key, str(challenge.header.get("nonce")), claim)
-    wire.send_frame(sock, Frame({"type": protocol.JOIN, **claim, "proof": proof}))
-    sock.settimeout(None)
-    return sock
-
-
 def _cut(sock: socket.socket) -> None:
     with contextlib.suppress(OSError):
         sock.shutdown(socket.SHUT_RDWR)
-
-
-def _no_delay(sock: socket.socket) -> None:
-    """Frames go out at once: Nagle's algorithm would hold a small one back for an ACK that
-    the peer delays (40 ms a message, which made a call across nodes 8 times slower)."""
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
 
 # -- the head --------------------------------------------------------------------------------
@@ -120,8 +96,9 @@ class Head:
         self.address = f"{nodes.host}:{self._listener.getsockname()[1]}"
         self._store.set(_PORT_KEY, str(self._listener.getsockname()[1]))
         self._cv = threading.Condition()
-        self._links: dict[int, socket.socket] = {}
-        self._gone: dict[int, str] = {}
+        self._links: dict[int, Sealed] = {}
+        self.levels: dict[int, str] = {}  # the sandbox level each node that is ready applies
+        self._gone: dict[int, str] = {}  # why a node went; -1: a session was tampered with
         self._refused_proofs = 0
         self._job: tuple[str, int, Serve] | None = None  # id, ranks per node, its broker
         self._finished = False
@@ -131,11 +108,11 @@ class Head:
         """Until every other node's grader joined; NodesError if one cannot."""
         deadline = time.monotonic() + timeout
         with self._cv:
-            while len(self._links) < self.nodes.count - 1:
+            while len(self.levels) < self.nodes.count - 1:
                 if (problem := self.problem()) is not None:
                     raise NodesError(problem)
                 if not self._cv.wait(max(0.0, deadline - time.monotonic())):
-                    missing = sorted(set(range(1, self.nodes.count)) - set(self._links))
+                    missing = sorted(set(range(1, self.nodes.count)) - set(self.levels))
                     hint = (
                         f"; {self._refused_proofs} connection(s) failed the proof: is "
                         "$GRADER_SECRET the same on every node?"
@@ -157,8 +134,9 @@ class Head:
         """Ranks of ``job_id`` may connect now; every node starts its agent for it."""
         with self._cv:
             self._job = (job_id, per_node, serve)
-            for link in self._links.values():
-                self._send_job(link)
+            for node, link in self._links.items():
+                if node in self.levels:  # a node not ready yet gets it when it is
+                    self._send_job(link)
 
     def finish(self) -> None:
         """Grading is over: the nodes end their ranks and leave; then the port and store go."""
@@ -175,12 +153,12 @@ class Head:
         self._listener.close()
         del self._store
 
-    def _send_job(self, link: socket.socket) -> None:
+    def _send_job(self, link: Sealed) -> None:
         if self._job is not None:
             job_id, per_node, _ = self._job
             self._send(link, Frame({"type": protocol.JOB, "id": job_id, "per_node": per_node}))
 
-    def _send(self, link: socket.socket, frame: Frame) -> None:
+    def _send(self, link: Sealed, frame: Frame) -> None:
         with contextlib.suppress(OSError):  # the link's reader sees it end, and says so
             wire.send_frame(link, frame)
 
@@ -193,39 +171,36 @@ class Head:
             threading.Thread(target=self._welcome, args=(sock,), daemon=True).start()
 
     def _welcome(self, sock: socket.socket) -> None:
-        """Challenge a newcomer; a node's grader or a rank's relay that proves itself is served."""
-        nonce = secrets.token_hex(16)
-        _no_delay(sock)
+        """A newcomer proves itself (and the head to it); a node's grader or a rank's relay
+        that did is served, in the session the handshake made."""
+        channel.no_delay(sock)
         # One deadline for the whole handshake, not one per read: a trickle cannot hold it.
-        deadline = threading.Timer(_HANDSHAKE_SECONDS, _cut, args=(sock,))
+        deadline = threading.Timer(channel.HANDSHAKE_SECONDS, _cut, args=(sock,))
         deadline.start()
         try:
-            wire.send_frame(sock, Frame({"type": protocol.CHALLENGE, "nonce": nonce}))
-            join = wire.recv_frame(sock, _HANDSHAKE_BYTES)
-        except (OSError, wire.WireError):
-            join = None
+            session = channel.accept(sock, self.key, self._tampered)
         finally:
             deadline.cancel()
-        if join is None:
-            sock.close()
-            return
-        header = join.header
-        claim = {k: v for k, v in header.items() if k not in ("type", "proof")}
-        proof = str(header.get("proof", ""))
-        if not header or not hmac.compare_digest(proof, _proof(self.key, nonce, claim)):
+        if session is None:
             with self._cv:
                 self._refused_proofs += 1
                 self._cv.notify_all()
-            sock.close()
             return
+        claim, link = session
         if claim.get("role") == "node":
-            self._serve_node(sock, claim.get("node"))
+            self._serve_node(link, claim.get("node"))
         elif claim.get("role") == "rank":
-            self._serve_rank(sock, claim.get("job"), claim.get("rank"))
+            self._serve_rank(link, claim.get("job"), claim.get("rank"))
         else:
-            sock.close()
+            link.close()
 
-    def _serve_rank(self, sock: socket.socket, job: Any, rank: Any) -> None:
+    def _tampered(self, why: str) -> None:
+        """A session's record failed its check: the run cannot be trusted, and ends."""
+        with self._cv:
+            self._gone.setdefault(-1, why)
+            self._cv.notify_all()
+
+    def _serve_rank(self, sock: Sealed, job: Any, rank: Any) -> None:
         with self._cv:
             current = self._job
         if (
@@ -238,33 +213,50 @@ class Head:
             return
         current[2](rank, sock, True)
 
-    def _serve_node(self, sock: socket.socket, node: Any) -> None:
+    def _serve_node(self, sock: Sealed, node: Any) -> None:
         with self._cv:
             if not isinstance(node, int) or not 0 < node < self.nodes.count or node in self._links:
                 sock.close()
                 return
             self._links[node] = sock
             self._send(sock, self._run)
-            self._send_job(sock)  # joined late: it starts the current job too
             self._cv.notify_all()
         said = f"node {node}'s grader stopped (or the connection to it broke)"
         try:
             while (frame := wire.recv_frame(sock)) is not None:
-                if frame.header["type"] == protocol.REFUSE:
+                kind = frame.header["type"]
+                if kind == protocol.READY:
+                    self._ready(sock, node, frame.header.get("level"))
+                elif kind == protocol.REFUSE:
                     said = f"node {node}: {protocol.clean(frame.header.get('message', ''), 300)}"
-        except (OSError, wire.WireError):
-            pass
+        except (OSError, wire.WireError) as err:
+            if isinstance(err, channel.TamperedError):
+                said = f"node {node}: {err}"
         with self._cv:
             del self._links[node]
             if not self._finished:
                 self._gone.setdefault(node, said)
             self._cv.notify_all()
 
+    def _ready(self, sock: Sealed, node: int, level: Any) -> None:
+        """Node ``node`` took the run at sandbox ``level``: it starts the current job too."""
+        asked = self._run.header.get("level")
+        with self._cv:
+            if node in self.levels:
+                return
+            if level != asked:  # a node lowers no level, and raises none the head did not ask
+                said = protocol.clean(level, 20)
+                self._gone.setdefault(node, f"node {node} applies sandbox {said!r}, not {asked!r}")
+            else:
+                self.levels[node] = level
+                self._send_job(sock)  # joined late: it starts the current job too
+            self._cv.notify_all()
+
 
 # -- a node that lends ranks -----------------------------------------------------------------
 
 
-def join_head(nodes: Nodes, key: bytes, timeout: float = JOIN_SECONDS) -> tuple[socket.socket, str]:
+def join_head(nodes: Nodes, key: bytes, timeout: float = JOIN_SECONDS) -> tuple[Sealed, str]:
     """This node's grader, connected to the head (which may start after it), and the head's
     port, where this node's relays connect too."""
     import torch.distributed as dist

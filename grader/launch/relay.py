@@ -3,8 +3,9 @@
 The rank's sandbox has no network: the rank speaks to a Unix socket, as on
 one machine. The relay, outside the sandbox, connects to the head once the
 rank has connected to it (so that "connected" means the same as on one
-machine: the rank is up), proves itself (:func:`grader.launch.nodes.connect`),
-and passes frames both ways unchanged. It adds what only it knows: how the
+machine: the rank is up), it and the head prove themselves to each other
+(:func:`grader.launch.channel.connect`), and it passes frames both ways
+unchanged, in the session's sealed records. It adds what only it knows: how the
 rank's process ended (``exited``), and that the rank's bytes broke the format
 (``broken``). A frame of those types from the rank is renamed on the way, so
 the broker reads it as the unknown message it is.
@@ -23,7 +24,8 @@ import threading
 from collections.abc import Callable
 
 from grader import protocol, wire
-from grader.launch.nodes import NodesError, connect
+from grader.launch.channel import Sealed, connect
+from grader.options import NodesError
 from grader.protocol import RankExit
 from grader.wire import Frame
 
@@ -75,7 +77,7 @@ class Relay:
             worker.settimeout(None)
             return worker
 
-    def _up(self, worker: socket.socket, broker: socket.socket) -> None:
+    def _up(self, worker: socket.socket, broker: Sealed) -> None:
         try:
             while (frame := wire.recv_frame(worker)) is not None:
                 if frame.header["type"] in protocol.RELAY_ONLY:
@@ -88,13 +90,13 @@ class Relay:
         except OSError:
             pass
 
-    def _down(self, broker: socket.socket, worker: socket.socket) -> None:
+    def _down(self, broker: Sealed, worker: socket.socket) -> None:
         with contextlib.suppress(OSError, wire.WireError):
             while (frame := wire.recv_frame(broker)) is not None:
                 wire.send_frame(worker, frame)
         self._kill()  # the broker is gone: so is the job
 
-    def _to_broker(self, broker: socket.socket, frame: Frame) -> None:
+    def _to_broker(self, broker: Sealed, frame: Frame) -> None:
         with self._send_lock:
             wire.send_frame(broker, frame)
 

@@ -49,8 +49,13 @@ def to_gradescope(
     top_level: dict[str, str] | None = None,
     sandbox: str = "none",
     review: list[str] | None = None,
+    sandbox_per_node: list[str] | None = None,
 ) -> dict[str, Any]:
-    """The document; ``top_level`` adds Gradescope's ``visibility``/``stdout_visibility``."""
+    """The document; ``top_level`` adds Gradescope's ``visibility``/``stdout_visibility``.
+
+    ``sandbox_per_node``: across nodes, the level each node applied (node 0 first).
+    """
+    per_node = {"sandbox_per_node": list(sandbox_per_node)} if sandbox_per_node else {}
     return {
         "score": round(sum(r.score for r in results), 4),
         "execution_time": round(seconds, 1),
@@ -58,7 +63,7 @@ def to_gradescope(
         "output_format": "text",
         **(top_level or {}),
         "tests": [_test_entry(number, r) for number, r in enumerate(results, start=1)],
-        "extra_data": {"sandbox": sandbox, "review": list(review or [])},
+        "extra_data": {"sandbox": sandbox, **per_node, "review": list(review or [])},
     }
 
 

@@ -12,6 +12,7 @@ from rich.text import Text
 
 from grader.catalog import GradedTest
 from grader.judge.verdict import Verdict
+from grader.protocol import clean
 from grader.report.results import GradedResult
 from grader.report.summary import (
     LEGEND,
@@ -89,7 +90,7 @@ def print_summary(
     if review:
         console.print("[bold]For a TA to look at[/] (no effect on the score):")
         for line in review[:20]:
-            console.print(f"  {escape(line)}", highlight=False)
+            console.print(f"  {_shown(line)}", highlight=False)
     console.print(f"[dim]student code isolated by: {escape(sandbox)}[/]")
     total = sum(r.score for r in results)
     maximum = sum(r.max_score for r in results)
@@ -118,7 +119,7 @@ def _print_fixes(console: Console, part: str, results: list[GradedResult], verbo
         )
         console.print(
             f"  [bold]{escape(test.name)}[/] (world size {test.world_size}{credit}): "
-            f"{escape(result.verdict.message)}",
+            f"{_shown(result.verdict.message)}",
             **wrap,
         )
         drawn = timelines_of(result.verdict)
@@ -152,3 +153,9 @@ def print_listing(console: Console, tests: list[GradedTest], parts: list[str]) -
         total = sum(t.settings.points for t in tests if t.part == part)
         table.caption = f"{total:g} points in all"
         console.print(table)
+
+
+def _shown(text: str) -> str:
+    """Text a submission may have chosen (its file names, what its ranks said), for the
+    terminal: no control characters (escape codes), no rich markup."""
+    return escape(clean(text, len(text)))

@@ -179,6 +179,66 @@ def _processes_mentioning(text: str) -> list[str]:
     return found
 
 
+HYPERLINK = '=HYPERLINK("grades.example","open me")'
+ESCAPES = "dave\x1b[2J\x1b]0;owned\x07"  # clears the screen, retitles the terminal
+NAMES = ("gradebook.csv", HYPERLINK, ESCAPES, "batch.json~", "failures.txt")
+
+
+def test_names_a_student_chose_cannot_break_the_batch_nor_what_a_ta_opens(tmp_path: Path):
+    """Folders named as the batch's own files, as a formula and with escape codes: each is
+    graded into a folder of its own, the gradebook shows each name as text, the terminal
+    gets no control character, and a rerun and a merge still work."""
+    root = tmp_path / "submissions"
+    for name in NAMES:
+        (root / name).mkdir(parents=True)
+        (root / name / "collectives.py").write_text("def broadcast(tensor, src)\n    pass\n")
+    shutil.copy(REPO / "reference" / "collectives.py", root / "gradebook.csv")
+    out = tmp_path / "out"
+    done = batch(root, "--out", out, *SELECTION)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert not any(ch in done.stdout + done.stderr for ch in "\x1b\x07")
+    assert "dave]0;owned: 0 / 2 points" in done.stdout
+    rows = {"gradebook.csv": ["2", "2"]}
+    expected = [[name, *rows.get(name, ["0", "0"])] for name in sorted(NAMES)]
+    assert gradebook(out)[1:] == [["'" + HYPERLINK, "0", "0"], *expected[1:]]
+    assert gradebook(out)[1][0] == "'" + HYPERLINK  # a spreadsheet shows it, never runs it
+    folders = {"gradebook.csv": "gradebook.csv~", "batch.json~": "batch.json~~"}
+    folders["failures.txt"] = "failures.txt~"
+    for name in NAMES:
+        assert (out / folders.get(name, name) / "results.json").is_file(), name
+    assert (out / "gradebook.csv").is_file() and (out / "failures.txt").read_text() == ""
+
+    again = batch(root, "--out", out, *SELECTION)
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert again.stdout.count("already graded, skipped") == len(NAMES)
+    merged = tmp_path / "merged"
+    assert batch("--merge", out, "--out", merged).returncode == 0
+    assert gradebook(merged) == gradebook(out)
+    assert (merged / "gradebook.csv~" / "results.json").is_file()
+
+
+def test_no_student_folder_is_a_file_of_the_batch_and_no_two_students_share_one():
+    from grader.batch import FAILURES, GRADEBOOK, SETTINGS, folder_of
+
+    names = ["alice", "gradebook.csv", "Gradebook.CSV", "gradebook.csv~", "gradebook.csv~~"]
+    names += ["batch.json", "FAILURES.TXT", "bob~", "bob"]
+    folders = [folder_of(Path("out"), name).name for name in names]
+    assert len(set(folders)) == len(names)
+    assert not {f.casefold() for f in folders} & {GRADEBOOK, FAILURES, SETTINGS}
+    assert folder_of(Path("out"), "alice") == Path("out/alice")  # CONTRACT: OUT/<student>/
+
+
+@pytest.mark.parametrize(
+    "text", ["=1+1", "+1", "-1", "@SUM(A1)", "\tx", "\rx", "'=1", "''", "'", "alice", "", "a=b"]
+)
+def test_a_gradebook_cell_runs_nothing_and_reads_back_as_it_was(text: str):
+    from grader.batch import from_cell, to_cell
+
+    cell = to_cell(text)
+    assert not cell.startswith(("=", "+", "-", "@", "\t", "\r"))
+    assert from_cell(cell) == text
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [

@@ -18,7 +18,7 @@ from grader.judge.audit import audit
 from grader.judge.communication import figures, min_rounds
 from grader.judge.projection import machines, project
 from grader.launch.nodes import Head, connect
-from grader.options import Nodes
+from grader.options import Nodes, NodesError
 from grader.wire import Frame, WireError
 
 
@@ -206,14 +206,15 @@ def test_the_heads_port_serves_no_one_without_the_proof() -> None:
     served: list[int] = []
     head.start_job("job2", 2, lambda rank, sock, relayed: served.append(rank))
     try:
-        for who, claim in [
-            (b"not the key" * 3, {"role": "rank", "job": "job2", "rank": 1}),
-            (key, {"role": "rank", "job": "job1", "rank": 1}),  # a job that is over
-            (key, {"role": "rank", "job": "job2", "rank": 4}),  # no such rank
+        with pytest.raises(NodesError, match="turned this away"):
+            connect(head.address, b"not the key" * 3, {"role": "rank", "job": "job2", "rank": 1})
+        for claim in [
+            {"role": "rank", "job": "job1", "rank": 1},  # a job that is over
+            {"role": "rank", "job": "job2", "rank": 4},  # no such rank
         ]:
-            sock = connect(head.address, who, claim)
+            sock = connect(head.address, key, claim)
             sock.settimeout(5)
-            assert sock.recv(1) == b"", claim  # closed unserved
+            assert wire.recv_frame(sock) is None, claim  # closed unserved
             sock.close()
         stranger = socket.create_connection(("localhost", int(head.address.split(":")[1])))
         stranger.settimeout(5)
@@ -228,9 +229,9 @@ def test_the_heads_port_serves_no_one_without_the_proof() -> None:
 
 
 def test_a_stranger_trickling_bytes_is_cut_at_the_handshakes_deadline(monkeypatch) -> None:
-    from grader.launch import nodes
+    from grader.launch import channel
 
-    monkeypatch.setattr(nodes, "_HANDSHAKE_SECONDS", 0.5)
+    monkeypatch.setattr(channel, "HANDSHAKE_SECONDS", 0.5)
     with socket.socket() as probe:
         probe.bind(("", 0))
         port = probe.getsockname()[1]

@@ -14,10 +14,12 @@ import signal
 import socket
 import subprocess
 import time
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
 from runner import Graded, materialize, run_grader, start_grader
+from stranger import Stranger, evil_run, forged_record
 
 from grader.launch.job import descendants, process_alive
 
@@ -85,6 +87,9 @@ def test_a_job_across_two_nodes_is_judged_as_on_one(tmp_path: Path) -> None:
     assert "node 1: grading is over" in said
     graded = Graded(head.returncode, head.stdout, head.stderr, json.loads(results.read_text()))
     assert graded.returncode == 1, head.stderr
+    level = graded.results["extra_data"]["sandbox"]
+    assert graded.results["extra_data"]["sandbox_per_node"] == [level, level]
+    assert f"node 1: joined the head at localhost:{port} (sandbox: {level})" in said
 
     # A rank's death, its last words and its stack reach the head, wherever the rank ran.
     assert graded.outcome("reduce", 4) == "crashed"
@@ -152,6 +157,43 @@ def test_a_node_with_another_secret_is_turned_away() -> None:
         head.send_signal(signal.SIGTERM)
         assert head.wait(timeout=30) == 130
     finally:
+        _end(head)
+
+
+def test_a_stranger_between_the_head_and_a_node_is_refused_in_one_line(tmp_path: Path) -> None:
+    """Issue 14's attack, on real graders: a process without the secret rewrites the head's
+    address in the rendezvous store, relays the head's handshake to node 1 and sends it a
+    ``run`` at level ``none`` with code of its own. Node 1 runs nothing and says why in one
+    line; the head, which lost node 1, ends too: both exit 2."""
+    import torch.distributed as dist
+
+    port = _free_port()
+    code = tmp_path / "assignments"
+    code.mkdir()
+    marker = tmp_path / "owned"
+    (code / "collectives.py").write_text(f"open({str(marker)!r}, 'w')\n")
+    selection = ["collectives", "-k", "scatter", "--world-size", "4"]
+    head = start_grader(["run", *selection, *_nodes(port, 0)])
+    stranger = None
+    try:
+        store = dist.TCPStore("localhost", port, is_master=False, timeout=timedelta(seconds=120))
+        stranger = Stranger(f"localhost:{store.get('grader/port').decode()}", b"")
+        stranger.payload = forged_record(evil_run(code))
+        store.set("grader/port", str(stranger.port))
+        del store
+        node = run_grader(["run", *_nodes(port, 1)], timeout=120)
+        assert stranger.handshake_relayed.is_set()
+        assert node.returncode == 2
+        assert node.stderr.startswith("grader: error: ") and len(node.stderr.splitlines()) == 1
+        assert "record 0 failed its integrity check" in node.stderr, node.stderr
+        assert "joined the head" not in node.stdout and not marker.exists()
+        stranger.close()
+        _, complaint = head.communicate(timeout=60)
+        assert head.returncode == 2, complaint
+        assert "node 1" in complaint and len(complaint.strip().splitlines()) == 1, complaint
+    finally:
+        if stranger is not None:
+            stranger.close()
         _end(head)
 
 

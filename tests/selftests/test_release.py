@@ -67,7 +67,7 @@ def test_a_release_ships_the_course_but_nothing_private(scratch: Path):
         assert not (out / name).exists(), name
     names = [p.relative_to(out).as_posix() for p in out.rglob("*")]
     assert not [n for n in names if "__pycache__" in n or n.endswith((".pyc", "results.json"))]
-    assert release.left_out == () and release.partly_hidden == ()
+    assert release.left_out == () and release.partly_hidden == () and release.private == ()
     # Nothing hidden: grading.yaml is shipped as it is, comments and all.
     assert (out / "tests/graded/grading.yaml").read_text() == (
         REPO / "tests/graded/grading.yaml"
@@ -104,6 +104,37 @@ def test_a_test_file_whose_every_test_is_hidden_is_left_out_with_its_entries(scr
     assert [f.name for f in collectives.files] == ["test_collectives.py"]
     assert list(collectives.overrides) == ["broadcast"]  # the entries of the file left out go
     assert list(config.parts) == list(load_config(config_path).parts)
+
+
+def test_of_tests_graded_only_what_the_visible_tests_use_ships(scratch: Path):
+    """An allow-list: a hidden test's data file and helper, or an instructor's notes, stay
+    private; a visible test's data file and helper (named, imported) ship."""
+    course = _course_copy(scratch / "course")
+    graded = course / "tests" / "graded"
+    files = {
+        "hidden_cases.json": "[1]",
+        "hidden_helpers.py": "EXPECTED = 42\n",
+        "notes.md": "the answers",
+        "visible_cases.json": "[2]",
+        "data/shapes.json": "[3]",
+        "visible_helpers.py": 'CASES, SHAPES = "visible_cases.json", "data/shapes.json"\n',
+    }
+    for name, text in files.items():
+        (graded / name).parent.mkdir(exist_ok=True)
+        (graded / name).write_text(text)
+    with (graded / "test_collectives.py").open("a") as visible:
+        visible.write("\nimport visible_helpers  # noqa: E402\n")
+    with (graded / "test_collectives_costs.py").open("a") as hidden:
+        hidden.write('\nimport hidden_helpers  # noqa: E402\n\nCASES = "hidden_cases.json"\n')
+    config_path = _hide(course, False, ("communication", "performance"))  # the costs file
+    release = build_release(load_config(config_path), scratch / "out")
+    shipped = {p.relative_to(release.path / "tests/graded").as_posix()
+               for p in (release.path / "tests/graded").rglob("*") if p.is_file()}  # fmt: skip
+    assert {"visible_helpers.py", "visible_cases.json", "data/shapes.json"} <= shipped
+    assert {"conftest.py", "pytest.ini", "grading.yaml", "test_collectives.py"} <= shipped
+    assert not shipped & {"hidden_cases.json", "hidden_helpers.py", "notes.md"}
+    assert "test_collectives_costs.py" not in shipped
+    assert release.private == ("hidden_cases.json", "hidden_helpers.py", "notes.md")
 
 
 @pytest.mark.parametrize("visibility", ["hidden", "after_due_date", "after_published"])

@@ -193,3 +193,16 @@ def test_a_long_message_stays_on_one_line_in_a_log() -> None:
     results = [result("gather", 2, protocol.FAILED, message=long)]
     text = render(results, width=200)
     assert any(line.endswith(long) for line in text.splitlines())
+
+
+def test_what_a_submission_chose_reaches_the_terminal_without_escape_codes() -> None:
+    """A file name and a message with escape codes (clear the screen, retitle the window):
+    the terminal gets their text, not the codes."""
+    said = "rank 0 said \x1b[2J\x1b]0;owned\x07hello"
+    results = [result("broadcast", 2, protocol.FAILED, message=said)]
+    out = io.StringIO()
+    console = Console(file=out, width=200, color_system=None)
+    print_summary(console, results, 1.0, review=["left out of the submission: x\x1b[31m.so"])
+    shown = out.getvalue()
+    assert "\x1b" not in shown and "\x07" not in shown
+    assert "rank 0 said ]0;ownedhello" in shown and "left out of the submission: x.so" in shown
