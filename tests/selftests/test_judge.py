@@ -13,10 +13,14 @@ import pytest
 import torch
 
 from grader import protocol, wire
+from grader.broker.ops import Limits
 from grader.broker.server import Broker
+from grader.broker.traffic import Wait
 from grader.judge.audit import audit
 from grader.judge.communication import figures, min_rounds
+from grader.judge.costs import judge_performance
 from grader.judge.projection import machines, project
+from grader.judge.replay import ReplayError
 from grader.launch.nodes import Head, connect
 from grader.options import Nodes, NodesError
 from grader.wire import Frame, WireError
@@ -155,13 +159,78 @@ def test_garbage_on_the_socket_is_a_protocol_error_not_a_crash(broker) -> None:
     assert "unknown message 'launch_missiles'" in broker.problems[0].message
 
 
+def test_a_send_that_lies_about_its_size_breaks_the_protocol(broker) -> None:
+    broker, (zero, _) = broker
+    meta = {"dtype": "float32", "numel": 0}
+    zero.post(protocol.SEND, [b"\0" * 64], op=1, peer=1, group=[0, 1], tag=0, at="", **meta)
+    settle(broker, lambda: broker.problems)
+    assert broker.problems[0].kind == "protocol"
+    assert "a send declares float32[0] but carries 64 bytes" in broker.problems[0].message
+    assert broker.broken() == [0]
+
+
+def test_a_message_is_handed_over_only_when_its_rank_waits_for_it(broker) -> None:
+    broker, (zero, one) = broker
+    zero.message(protocol.RECV, 1, 1, 4, "c.py:1 in f")
+    one.message(protocol.SEND, 1, 0, 4, "c.py:2 in f")
+    settle(broker, lambda: any(f.header["type"] == protocol.DONE for f in one.frames))
+    assert not any(f.header["type"] == protocol.DONE for f in zero.frames)
+    zero.post(protocol.WAIT, op=1, block=False)
+    settle(broker, lambda: any(f.header["type"] == protocol.DONE for f in zero.frames))
+    done = next(f for f in zero.frames if f.header["type"] == protocol.DONE)
+    assert done.buffers == [b"\0" * 16]
+    assert broker.traffic.waits[0] == [Wait(after=1, of=0)]
+
+
+def test_a_rank_that_floods_the_grader_is_stopped_at_the_limit(tmp_path: Path) -> None:
+    broker = Broker(2, Limits(buffered_bytes=1000, operations=50))
+    broker.listen_unix(tmp_path)
+    zero, one = (FakeRank(tmp_path, r) for r in range(2))
+    settle(broker, lambda: len(broker.connected()) == 2)
+    call = Frame({"type": protocol.CALL, "call": 1, "function": "x.y", "args": {}})
+    broker.start_call([call, call], forbid_collectives=True)
+    for op in range(1, 4):  # 3 x 400 bytes that nobody receives
+        zero.message(protocol.SEND, op, 1, 100, "c.py:4 in flood")
+    for op in range(1, 60):
+        one.message(protocol.RECV, op, 0, 1, "c.py:5 in flood")
+    settle(broker, lambda: sum(p.kind == "limit" for p in broker.problems) >= 2)
+    messages = sorted(p.message for p in broker.problems if p.kind == "limit")
+    assert messages[0].startswith("rank 0: the send to rank 1 at c.py:4 in flood would leave ")
+    assert messages[1] == (
+        "rank 1 posted more than 50 operations (sends, receives, collectives, waits and marks) "
+        "in one call"
+    )
+    broker.close()
+
+
 def ring_all_reduce(p: int, n: int) -> list[list[dict]]:
+    """Each step: send to the right, receive from the left, wait for that receive."""
     events: list[list[dict]] = [[] for _ in range(p)]
     for _ in range(2 * (p - 1)):
         for r in range(p):
             events[r].append({"op": "send", "peer": (r + 1) % p, "nbytes": n // p, "tag": 0})
             events[r].append({"op": "recv", "peer": (r - 1) % p, "nbytes": n // p, "tag": 0})
+            events[r].append({"op": "wait", "of": len(events[r]) - 1})
     return events
+
+
+def test_a_pattern_that_cannot_be_replayed_earns_nothing_and_says_why():
+    """Every rank waits for a message first and sends its own only afterwards: no machine
+    could run it, so no figure is made from it."""
+    p = 3
+    events = [
+        [
+            {"op": "recv", "peer": (r - 1) % p, "nbytes": 4, "tag": 0},
+            {"op": "wait", "of": 0},
+            {"op": "send", "peer": (r + 1) % p, "nbytes": 4, "tag": 0},
+        ]
+        for r in range(p)
+    ]
+    with pytest.raises(ReplayError, match="rank 0 waits for a message from rank 2"):
+        figures(events)
+    judged = judge_performance("all_reduce", p, 12, events, ring_all_reduce(p, 12), 1.5, 3.0)
+    assert judged.fraction == 0.0
+    assert judged.message.startswith("the message pattern could not be replayed: rank 0 waits")
 
 
 def test_ring_all_reduce_meets_the_bandwidth_bound_in_2p_minus_2_rounds():
