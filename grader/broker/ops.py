@@ -78,6 +78,15 @@ class RankState:
         self.running, self.outcome, self.stack, self.broken = True, None, None, False
         self.buffered = self.posted = 0
 
+    def count(self, limits: Limits) -> None:
+        """One more operation, wait or mark of this rank's call, within the limit."""
+        self.posted += 1
+        if self.posted > limits.operations:
+            raise LimitExceeded(
+                f"posted more than {limits.operations} operations (sends, receives, "
+                "collectives, waits and marks) in one call"
+            )
+
 
 MiB = 1 << 20
 
@@ -121,3 +130,14 @@ def describe_collective(op: Op) -> str:
     sizes = ", ".join(map(str, op.info["inputs"]))
     root = f" from root {op.info['root']}" if op.kind == "broadcast" else ""
     return f"{op.kind}{root} of [{sizes}] at {op.at or '?'}"
+
+
+class LimitExceeded(ProtocolError):
+    """A rank went past one of :class:`Limits`: its call is over."""
+
+
+def check_payload(meta: TensorMeta, buffer: bytes, what: str) -> None:
+    """A payload is exactly the tensor its description says, or the sender broke the protocol:
+    the bytes counted are the bytes carried."""
+    if len(buffer) != nbytes(meta):
+        raise ProtocolError(f"{what} declares {meta} but carries {len(buffer)} bytes")

@@ -29,23 +29,22 @@ One thread reads each rank; all state is guarded by one lock. Handlers are
 
 from __future__ import annotations
 
-import contextlib
-import socket
-import threading
 import time
 from collections import defaultdict, deque
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 from grader import protocol, wire
 from grader.broker import collectives, faults
+from grader.broker.connections import Connections
 from grader.broker.ops import (
+    LimitExceeded,
     Limits,
     Op,
     Problem,
     RankState,
     Returned,
+    check_payload,
     nbytes,
 )
 from grader.broker.traffic import Event, Traffic, Wait
@@ -53,40 +52,16 @@ from grader.protocol import ProtocolError, RankError, RankExit, TensorMeta, clea
 from grader.wire import Frame
 
 
-class Broker:
+class Broker(Connections):
     def __init__(self, world_size: int, limits: Limits | None = None) -> None:
-        self.world_size = world_size
         self.limits = limits or Limits()
-        self._cv = threading.Condition()
-        self._ranks = [RankState(r) for r in range(world_size)]
-        self._listeners: list[socket.socket] = []
+        super().__init__(world_size, self.limits.frame_bytes)
         self.exits: dict[int, RankExit] = {}  # what the relays of ranks on other nodes said
         self.active = world_size  # the ranks of the current call: 0..active-1
         self._reset_call()
         self.forbid_collectives = False
 
-    def listen_unix(self, socket_dir: Path) -> None:
-        """One Unix socket per rank in ``socket_dir``: the ranks of this machine."""
-        for rank in range(self.world_size):
-            listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            listener.bind(str(self.socket_path(socket_dir, rank)))
-            listener.listen(1)
-            self._listeners.append(listener)
-            threading.Thread(target=self._accept, args=(rank, listener), daemon=True).start()
-
-    @staticmethod
-    def socket_path(socket_dir: Path, rank: int) -> Path:
-        return socket_dir / f"rank{rank}.sock"
-
     # -- what the grader asks --------------------------------------------------------------
-
-    def connected(self) -> list[int]:
-        with self._cv:
-            return [r.rank for r in self._ranks if r.sock is not None and r.alive]
-
-    def dead(self) -> list[int]:
-        with self._cv:
-            return [r.rank for r in self._ranks if not r.alive]
 
     def broken(self) -> list[int]:
         """The ranks whose call the broker ended (a broken protocol, a limit passed): what they
@@ -147,55 +122,8 @@ class Broker:
         with self._cv:
             return {r.rank: r.blocked_on.describe() for r in self._ranks if r.blocked_on}
 
-    def close(self) -> None:
-        with self._cv:
-            for state in self._ranks:
-                if state.sock is not None:
-                    with contextlib.suppress(OSError):
-                        state.sock.shutdown(socket.SHUT_RDWR)
-                    state.sock.close()
-            for listener in self._listeners:
-                listener.close()
-
-    # -- connections -------------------------------------------------------------------------
-
-    def _accept(self, rank: int, listener: socket.socket) -> None:
-        try:
-            sock, _ = listener.accept()
-        except OSError:
-            return
-        listener.close()  # one connection per rank: a second one is never accepted
-        self.serve(rank, sock)
-
-    def serve(self, rank: int, sock: socket.socket, relayed: bool = False) -> None:
-        """Read rank ``rank``'s connection until it ends (on the caller's thread).
-
-        ``relayed``: the connection comes from the rank's trusted relay on another
-        node, which may add what only it knows (:data:`protocol.RELAY_ONLY`).
-        """
-        with self._cv:
-            if self._ranks[rank].sock is not None:  # one connection per rank
-                sock.close()
-                return
-            self._ranks[rank].sock = sock
-            self._cv.notify_all()
-        try:
-            while (frame := wire.recv_frame(sock, self.limits.frame_bytes)) is not None:
-                with self._cv:
-                    if relayed and frame.header["type"] in protocol.RELAY_ONLY:
-                        self._relay_said(rank, frame)
-                    else:
-                        self._handle(rank, frame)
-                    self._cv.notify_all()
-        except (OSError, wire.WireError) as err:
-            if not isinstance(err, OSError):
-                with self._cv:
-                    self._fault(
-                        protocol.ERROR, "protocol", f"rank {rank} broke the protocol: {err}"
-                    )
-        with self._cv:
-            self._ranks[rank].alive = False
-            self._cv.notify_all()
+    def _broke(self, rank: int, error: str) -> None:
+        self._fault(protocol.ERROR, "protocol", f"rank {rank} broke the protocol: {error}")
 
     def _relay_said(self, rank: int, frame: Frame) -> None:
         if frame.header["type"] == protocol.EXITED:
@@ -225,14 +153,6 @@ class Broker:
             state.broken = True
             self._finish(state, RankError("BrokerRefused", clean(message)))
 
-    def _send(self, rank: int, frame: Frame) -> None:
-        sock = self._ranks[rank].sock
-        if sock is not None and self._ranks[rank].alive:
-            try:
-                wire.send_frame(sock, frame)
-            except OSError:
-                self._ranks[rank].alive = False
-
     # -- what a rank sends, one method per message -------------------------------------------
 
     def rank_hello(self, state: RankState, frame: Frame) -> None:
@@ -250,7 +170,7 @@ class Broker:
 
     def rank_mark(self, state: RankState, frame: Frame) -> None:
         if state.running:
-            self._count(state)
+            state.count(self.limits)
             label = clean(frame.header.get("label", ""), 80)
             self.traffic.per_rank[state.rank].append(Event("mark", -1, 0, at=label))
 
@@ -258,7 +178,7 @@ class Broker:
         op = self._op(state, frame, "send")
         if len(frame.buffers) != 1 or op.meta is None:
             raise ProtocolError("a send carries exactly one tensor")
-        _check_payload(op.meta, frame.buffers[0], "a send")
+        check_payload(op.meta, frame.buffers[0], "a send")
         if self._check_peer(op) and self._hold(state, op, len(frame.buffers[0])):
             op.payload = frame.buffers
             self._queue(self._sends, (op.rank, op.peer, op.tag), op)
@@ -294,7 +214,7 @@ class Broker:
         if len(frame.buffers) != len(op.info["inputs"]):
             raise ProtocolError("a collective carries one payload per input tensor")
         for meta, buffer in zip(op.info["inputs"], frame.buffers, strict=True):
-            _check_payload(meta, buffer, f"{name}'s input")
+            check_payload(meta, buffer, f"{name}'s input")
         op.payload = frame.buffers
         nbytes = sum(len(b) for b in op.payload)
         if not self._hold(state, op, nbytes):
@@ -317,7 +237,7 @@ class Broker:
         op = self._ops.get((state.rank, field_int(frame.header, "op", 0)))
         if op is None:
             return
-        self._count(state)
+        state.count(self.limits)
         if not op.waited:
             op.waited = True
             waits = self.traffic.waits[state.rank]
@@ -342,7 +262,7 @@ class Broker:
     def _op(self, state: RankState, frame: Frame, kind: str) -> Op:
         if not state.running:
             raise ProtocolError("an operation outside of any call")
-        self._count(state)
+        state.count(self.limits)
         header = frame.header
         op = Op(
             state.rank,
@@ -452,15 +372,6 @@ class Broker:
             state.blocked_on = None
         self._send(op.rank, frame)
 
-    def _count(self, state: RankState) -> None:
-        """One more operation, wait or mark of this rank's call, within the limit."""
-        state.posted += 1
-        if state.posted > self.limits.operations:
-            raise LimitExceeded(
-                f"posted more than {self.limits.operations} operations (sends, receives, "
-                "collectives, waits and marks) in one call"
-            )
-
     def _hold(self, state: RankState, op: Op, size: int) -> bool:
         """Keep ``size`` more bytes for ``state``'s rank; refuse ``op`` past the limit."""
         state.buffered += size
@@ -517,14 +428,3 @@ class Broker:
         self._collectives: dict[tuple[tuple[int, ...], int], dict[int, Op]] = {}
         self._sequence: dict[tuple[int, tuple[int, ...]], int] = defaultdict(int)
         self._leftovers_checked = False
-
-
-class LimitExceeded(ProtocolError):
-    """A rank went past one of :class:`~grader.broker.ops.Limits`: its call is over."""
-
-
-def _check_payload(meta: TensorMeta, buffer: bytes, what: str) -> None:
-    """A payload is exactly the tensor its description says, or the sender broke the protocol:
-    the bytes counted are the bytes carried."""
-    if len(buffer) != nbytes(meta):
-        raise ProtocolError(f"{what} declares {meta} but carries {len(buffer)} bytes")

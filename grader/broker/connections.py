@@ -1,0 +1,117 @@
+"""The broker's end of every rank's connection: one reader thread a rank, one lock for all.
+
+A rank is who its socket says: each has a Unix socket of its own, bound into
+its sandbox alone, which accepts one connection; a rank on another node
+reaches :meth:`Connections.serve` through its trusted relay. Every frame read
+is handed, under the lock, to the broker's rules (:class:`grader.broker.server.Broker`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import threading
+from abc import ABC, abstractmethod
+from pathlib import Path
+
+from grader import protocol, wire
+from grader.broker.ops import RankState
+from grader.wire import Frame
+
+
+class Connections(ABC):
+    def __init__(self, world_size: int, frame_bytes: int) -> None:
+        self.world_size = world_size
+        self._frame_bytes = frame_bytes  # the most one frame of a rank may hold
+        self._cv = threading.Condition()
+        self._ranks = [RankState(r) for r in range(world_size)]
+        self._listeners: list[socket.socket] = []
+
+    def listen_unix(self, socket_dir: Path) -> None:
+        """One Unix socket per rank in ``socket_dir``: the ranks of this machine."""
+        for rank in range(self.world_size):
+            listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            listener.bind(str(self.socket_path(socket_dir, rank)))
+            listener.listen(1)
+            self._listeners.append(listener)
+            threading.Thread(target=self._accept, args=(rank, listener), daemon=True).start()
+
+    @staticmethod
+    def socket_path(socket_dir: Path, rank: int) -> Path:
+        return socket_dir / f"rank{rank}.sock"
+
+    def connected(self) -> list[int]:
+        with self._cv:
+            return [r.rank for r in self._ranks if r.sock is not None and r.alive]
+
+    def dead(self) -> list[int]:
+        with self._cv:
+            return [r.rank for r in self._ranks if not r.alive]
+
+    def close(self) -> None:
+        with self._cv:
+            for state in self._ranks:
+                if state.sock is not None:
+                    with contextlib.suppress(OSError):
+                        state.sock.shutdown(socket.SHUT_RDWR)
+                    state.sock.close()
+            for listener in self._listeners:
+                listener.close()
+
+    # -- connections -------------------------------------------------------------------------
+
+    def _accept(self, rank: int, listener: socket.socket) -> None:
+        try:
+            sock, _ = listener.accept()
+        except OSError:
+            return
+        listener.close()  # one connection per rank: a second one is never accepted
+        self.serve(rank, sock)
+
+    def serve(self, rank: int, sock: socket.socket, relayed: bool = False) -> None:
+        """Read rank ``rank``'s connection until it ends (on the caller's thread).
+
+        ``relayed``: the connection comes from the rank's trusted relay on another
+        node, which may add what only it knows (:data:`protocol.RELAY_ONLY`).
+        """
+        with self._cv:
+            if self._ranks[rank].sock is not None:  # one connection per rank
+                sock.close()
+                return
+            self._ranks[rank].sock = sock
+            self._cv.notify_all()
+        try:
+            while (frame := wire.recv_frame(sock, self._frame_bytes)) is not None:
+                with self._cv:
+                    if relayed and frame.header["type"] in protocol.RELAY_ONLY:
+                        self._relay_said(rank, frame)
+                    else:
+                        self._handle(rank, frame)
+                    self._cv.notify_all()
+        except (OSError, wire.WireError) as err:
+            if not isinstance(err, OSError):
+                with self._cv:
+                    self._broke(rank, str(err))
+        with self._cv:
+            self._ranks[rank].alive = False
+            self._cv.notify_all()
+
+    def _send(self, rank: int, frame: Frame) -> None:
+        sock = self._ranks[rank].sock
+        if sock is not None and self._ranks[rank].alive:
+            try:
+                wire.send_frame(sock, frame)
+            except OSError:
+                self._ranks[rank].alive = False
+
+    @abstractmethod
+    def _handle(self, rank: int, frame: Frame) -> None:
+        """A frame from ``rank``'s own code (under the lock)."""
+
+    @abstractmethod
+    def _relay_said(self, rank: int, frame: Frame) -> None:
+        """A frame only ``rank``'s trusted relay may send (:data:`protocol.RELAY_ONLY`)."""
+
+    @abstractmethod
+    def _broke(self, rank: int, error: str) -> None:
+        """``rank``'s bytes broke the frame format: its connection is read no further."""
