@@ -123,7 +123,7 @@ class _Pieces:
         return self.buffer[self.offsets[i] : self.offsets[i + 1]]
 
     def span(self, first: int, end: int) -> Tensor:
-        """_Pieces first..end-1 together: one contiguous view, one message."""
+        """Pieces first..end-1 together: one contiguous view, one message."""
         return self.buffer[self.offsets[first] : self.offsets[end]]
 
     def largest(self) -> int:
@@ -308,7 +308,7 @@ def scatter(
     """Rank r's ``tensor`` gets ``scatter_list[r]`` of ``src`` (``None`` off ``src``).
 
     Binomial tree (Chan et al. 2007, minimum-spanning-tree scatter): ceil(lg p) rounds;
-    the root sends (p-1)/p n bytes, n = the whole list. _Positions are counted from the
+    the root sends (p-1)/p n bytes, n = the whole list. Positions are counted from the
     root, so any p and any root work.
     """
     ranks = _Positions(group, _group_rank_of(group, src))
