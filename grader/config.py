@@ -8,7 +8,9 @@ The course directory (the one holding ``tests/graded/``, ``assignments/`` and
 ``reference/``) is not necessarily where the package is: after ``pip install .``
 the package lives in site-packages. So the configuration is found by
 :func:`find_config` and made current by :func:`activate`, which also exports it
-in ``GRADER_CONFIG`` so that every rank, a process of its own, finds the same one.
+in ``GRADER_CONFIG`` so that a process the grader starts with the course at
+hand (``grader bench``'s ranks, which import the reference) finds the same one.
+The ranks of a graded job never read it: they see no course at all.
 """
 
 from __future__ import annotations
@@ -82,7 +84,8 @@ def activate(config: Path) -> None:
 
 
 def _pytest_args(graded_dir: Path) -> tuple[str, ...]:
-    """How every pytest run over the graded tests is configured, in the grader and on the ranks."""
+    """How the grader's pytest runs over the graded tests are configured (``grader list``
+    collects them, ``grader run`` runs them), both in the grader's own process."""
     return (
         f"--rootdir={graded_dir}",
         "-c",
@@ -96,8 +99,9 @@ def _pytest_args(graded_dir: Path) -> tuple[str, ...]:
 
 
 def _initial_config() -> Path:
-    """The configuration found when this module is imported, without raising: a rank
-    finds it in ``GRADER_CONFIG``; a missing one is reported when it is loaded."""
+    """The configuration found when this module is imported, without raising: a process
+    the grader started finds it in ``GRADER_CONFIG``; a missing one is reported when it
+    is loaded."""
     try:
         return find_config()
     except (ConfigError, OSError):

@@ -1,12 +1,12 @@
-"""Records the communication of a piece of student code, for tests to count and judge.
+"""Records the messages of one call during ``grader bench``, for the projections it shows.
 
-    with ctx.recording() as log:
+    with recording() as log:
         student.all_reduce(tensor)
-    ctx.extra["per_rank"] = {"messages": log.messages()}
+    messages = log.messages()
 
-Sends are logged when posted, receives when they complete, each with a
-sequence number in the rank's program order: that is what the judge needs to
-rebuild the chain of messages across ranks and count the rounds.
+Sends are logged when posted, receives when they complete, in the rank's
+program order: that is what the projection needs to rebuild the chain of
+messages across ranks.
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ from grader.bench import p2p
 
 @dataclass(frozen=True)
 class Event:
-    op: str  # "send", "recv", or a collective's name ("all_reduce", "allreduce", ...)
-    peer: int  # -1 for a collective
+    op: str  # "send" or "recv"
+    peer: int
     nbytes: int
     tag: int
     time: float  # time.perf_counter() when logged
@@ -38,23 +38,9 @@ class CommLog(p2p.MessageLog):
     def on_recv(self, peer: int, nbytes: int, tag: int) -> None:
         self.events.append(Event("recv", peer, nbytes, tag, time.perf_counter()))
 
-    def on_collective(self, name: str, nbytes: int) -> None:
-        self.events.append(Event(name, -1, nbytes, 0, time.perf_counter()))
-
     def messages(self) -> list[dict]:
-        """The point-to-point events, in program order, as JSON-ready records."""
-        return [asdict(e) for e in self.events if e.op in ("send", "recv")]
-
-    def collectives(self, *names: str) -> list[Event]:
-        return [e for e in self.events if e.peer == -1 and (not names or e.op in names)]
-
-    @property
-    def bytes_sent(self) -> int:
-        return sum(e.nbytes for e in self.events if e.op == "send")
-
-    @property
-    def bytes_received(self) -> int:
-        return sum(e.nbytes for e in self.events if e.op == "recv")
+        """The messages, in program order, as JSON-ready records."""
+        return [asdict(e) for e in self.events]
 
 
 @contextlib.contextmanager

@@ -1,9 +1,11 @@
-"""One call of a collective on n elements in all, the same way for every implementation.
+"""One call of a collective on n elements in all, for ``grader bench``.
 
-Shared by the cost tests and by ``grader bench``, so that the student's, the
-reference's and torch's own collectives are measured on identical work.
-n is the whole array (nccl-tests' convention): the tensor of a broadcast,
-reduce or all-reduce; the concatenation of the pieces of the list-based ones.
+Made the same way for every implementation, so that the student's, the
+reference's and torch's own collectives are measured on identical work, on
+every rank of the bench's job (the graded cost tests make theirs on the
+trusted side, from the secret seed: :mod:`grader.testkit.calls`). n is the
+whole array (nccl-tests' convention): the tensor of a broadcast, reduce or
+all-reduce; the concatenation of the pieces of the list-based ones.
 """
 
 from __future__ import annotations

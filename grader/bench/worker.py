@@ -28,18 +28,16 @@ from grader.bench.calls import TORCH_COLLECTIVES, collective_call
 from grader.bench.timing import time_call
 from grader.config import REPO_ROOT
 from grader.judge.projection import machines, project
-from grader.rank import frames
 
 
 def enter_rank(job_dir: Path, rank: int, import_dir: Path) -> records.ReportWriter:
     """The rank's output to its log file, the staged submission and the reference on the
-    import path, the p2p log installed before any student code is imported."""
+    import path, the message log installed before any student code is imported."""
     log = os.open(records.log_path(job_dir, rank), os.O_WRONLY | os.O_CREAT | os.O_APPEND)
     os.dup2(log, 1)
     os.dup2(log, 2)
     sys.path[:0] = [str(import_dir), str(REPO_ROOT)]
-    frames.configure(import_dir)
-    p2p.install(job_dir / f"rank{rank}.waiting")
+    p2p.install()
     return records.ReportWriter(records.report_path(job_dir, rank))
 
 

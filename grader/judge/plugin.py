@@ -118,7 +118,7 @@ class GradingPlugin:
         record = self._running.record if self._running else TestRecord()
         if isinstance(err, failures.GraderFailure):
             self.grader_failure = str(err)
-            return Verdict(protocol.ERROR, protocol.clean(str(err)), grader_failure=True)
+            return Verdict(protocol.ERROR, protocol.clean(str(err)))
         if isinstance(err, failures.RankFailure):
             return Verdict(err.outcome, protocol.clean(str(err)))
         if isinstance(err, PartialCredit):

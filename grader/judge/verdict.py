@@ -29,7 +29,6 @@ class Verdict:
     fraction: float | None = None  # partial credit of a cost test, in [0, 1]
     details: dict[str, Any] = field(default_factory=dict)  # figures for results.json
     schedule: Schedule | None = None
-    grader_failure: bool = False  # the grader's own machinery failed: not the student's doing
     seconds: float = 0.0
 
     @property

@@ -1,1 +1,2 @@
-"""Launching torchrun jobs and supervising them until every planned test has a verdict."""
+"""Launching the torchrun jobs of sandboxed ranks that the graded tests drive from the
+grader's process, and ending them whole. No verdict is made here (:mod:`grader.judge`)."""

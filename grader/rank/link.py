@@ -12,7 +12,6 @@ from __future__ import annotations
 import itertools
 import queue
 import socket
-import sys
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -123,7 +122,3 @@ class BrokerLink:
 
     def broker_dump_stack(self, frame: Frame) -> None:
         self.post(protocol.STACK, frames=self.stack_reader())
-
-    def broker_exit(self, frame: Frame) -> None:
-        sys.stdout.flush()
-        self.calls.put(None)
