@@ -8,6 +8,8 @@ an outcome too (``failed``).
 
 from __future__ import annotations
 
+from enum import Enum
+
 from grader import protocol
 
 
@@ -49,14 +51,26 @@ class GraderFailure(Exception):
     """The grader's own machinery failed (a job that would not start): never the student's."""
 
 
-BY_PROBLEM = {
-    "deadlock": Deadlock,
-    "forbidden": ForbiddenCall,
-    "mismatch": CommunicationError,
-    "bad_peer": CommunicationError,
-    "disagreement": CommunicationError,
-    "unreceived": CommunicationError,
-    "unwaited": CommunicationError,
-    "limit": CommunicationError,
-    "protocol": CommunicationError,
-}
+class Fault(str, Enum):
+    """What the broker saw go wrong in a call, in the order a test tells them: the first is the
+    most telling (a broken protocol explains the deadlock that follows it, not the reverse)."""
+
+    FORBIDDEN = "forbidden"  # a built-in collective where the part forbids them
+    PROTOCOL = "protocol"  # a frame that breaks the format or lies about what it carries
+    LIMIT = "limit"  # a rank that costs the trusted side more than it may
+    MISMATCH = "mismatch"  # a send and its receive of another size or dtype
+    BAD_PEER = "bad_peer"  # a message to itself or to a rank outside the group
+    DISAGREEMENT = "disagreement"  # members of a collective that call different ones
+    DEADLOCK = "deadlock"  # no rank can make progress
+    UNRECEIVED = "unreceived"  # a message sent and never received, or the reverse
+    UNWAITED = "unwaited"  # a request never waited
+
+    @property
+    def failure(self) -> type[RankFailure]:
+        """The failure (and so the outcome) a test gets for it."""
+        special = {Fault.FORBIDDEN: ForbiddenCall, Fault.DEADLOCK: Deadlock}
+        return special.get(self, CommunicationError)
+
+    @property
+    def precedence(self) -> int:
+        return list(Fault).index(self)

@@ -90,6 +90,9 @@ REFUSE = "refuse"
 EXITED = "exited"
 BROKEN = "broken"
 RELAY_ONLY = (EXITED, BROKEN)
+# The error type of a rank whose operation the broker refused: it suffered from a fault the
+# broker reports itself (grader.rank.link.BrokerRefused).
+REFUSED_ERROR = "BrokerRefused"
 
 MAX_TEXT = 2000
 # Whole escape sequences first (ESC [ ... letter), then any other control character.

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from grader import wire
+from grader.failures import Fault
 from grader.protocol import ProtocolError, RankError, TensorMeta
 from grader.wire import Frame
 
@@ -17,9 +18,8 @@ from grader.wire import Frame
 class Problem:
     """A fault the broker saw itself: what a verdict may rest on."""
 
-    outcome: str  # one of protocol.OUTCOMES
+    kind: Fault
     message: str
-    kind: str  # deadlock, mismatch, bad_peer, forbidden, disagreement, unreceived, protocol
 
 
 @dataclass(frozen=True)

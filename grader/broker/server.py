@@ -48,6 +48,7 @@ from grader.broker.ops import (
     nbytes,
 )
 from grader.broker.traffic import Event, Traffic, Wait
+from grader.failures import Fault
 from grader.protocol import ProtocolError, RankError, RankExit, TensorMeta, clean, field_int
 from grader.wire import Frame
 
@@ -123,14 +124,14 @@ class Broker(Connections):
             return {r.rank: r.blocked_on.describe() for r in self._ranks if r.blocked_on}
 
     def _broke(self, rank: int, error: str) -> None:
-        self._fault(protocol.ERROR, "protocol", f"rank {rank} broke the protocol: {error}")
+        self._fault(Fault.PROTOCOL, f"rank {rank} broke the protocol: {error}")
 
     def _relay_said(self, rank: int, frame: Frame) -> None:
         if frame.header["type"] == protocol.EXITED:
             self.exits[rank] = RankExit.read(frame.header)
         else:
             error = clean(frame.header.get("error", ""), 300)
-            self._fault(protocol.ERROR, "protocol", f"rank {rank} broke the protocol: {error}")
+            self._fault(Fault.PROTOCOL, f"rank {rank} broke the protocol: {error}")
 
     def _handle(self, rank: int, frame: Frame) -> None:
         state = self._ranks[rank]
@@ -143,15 +144,15 @@ class Broker(Connections):
             handler(state, frame)
         except LimitExceeded as err:
             message = f"rank {rank} {err}"
-            self._fault(protocol.ERROR, "limit", message)
+            self._fault(Fault.LIMIT, message)
         except (ProtocolError, wire.WireError, KeyError, TypeError, ValueError) as err:
             message = f"rank {rank} broke the protocol: {err}"
-            self._fault(protocol.ERROR, "protocol", message)
+            self._fault(Fault.PROTOCOL, message)
         else:
             return
         if state.running:  # its call is over: the broker no longer listens to it
             state.broken = True
-            self._finish(state, RankError("BrokerRefused", clean(message)))
+            self._finish(state, RankError(protocol.REFUSED_ERROR, clean(message)))
 
     # -- what a rank sends, one method per message -------------------------------------------
 
@@ -193,8 +194,7 @@ class Broker(Connections):
         op = self._op(state, frame, name)
         if self.forbid_collectives:
             self._fault(
-                protocol.FORBIDDEN,
-                "forbidden",
+                Fault.FORBIDDEN,
                 f"rank {state.rank}: called a built-in collective ({name}) at {op.at or '?'}: "
                 "built-in collectives are not allowed in this part; "
                 "build it from send/recv/isend/irecv",
@@ -295,8 +295,7 @@ class Broker(Connections):
             else f"rank {peer}, but the group has ranks 0..{len(group) - 1}"
         )
         self._fault(
-            protocol.ERROR,
-            "bad_peer",
+            Fault.BAD_PEER,
             f"rank {op.rank}: {op.kind} {direction} {reason} (at {op.at or '?'})",
         )
         self._refuse(op, f"{op.kind} {direction} {reason}")
@@ -318,8 +317,7 @@ class Broker(Connections):
         expected = nbytes(recv.meta)
         if send.meta.dtype != recv.meta.dtype or size != expected:
             self._fault(
-                protocol.ERROR,
-                "mismatch",
+                Fault.MISMATCH,
                 f"rank {send.rank} sent {size} bytes ({send.meta}) to rank {recv.rank} "
                 f"(at {send.at or '?'}), which posted a receive of {expected} bytes "
                 f"({recv.meta}) (at {recv.at or '?'})",
@@ -336,7 +334,7 @@ class Broker(Connections):
         try:
             outputs = collectives.run(members)
         except collectives.CollectiveError as err:
-            self._fault(protocol.ERROR, "disagreement", str(err))
+            self._fault(Fault.DISAGREEMENT, str(err))
             for member in members:
                 self._refuse(member, str(err))
             return
@@ -380,8 +378,7 @@ class Broker(Connections):
         state.buffered -= size
         limit = self.limits.buffered_bytes >> 20
         self._fault(
-            protocol.ERROR,
-            "limit",
+            Fault.LIMIT,
             f"rank {state.rank}: the {op.describe()} would leave more than {limit} MiB of its "
             "messages waiting in the grader (sent but not yet received, or received but "
             "never waited for)",
@@ -391,13 +388,13 @@ class Broker(Connections):
 
     # -- faults ----------------------------------------------------------------------------------
 
-    def _fault(self, outcome: str, kind: str, message: str) -> None:
-        self.problems.append(Problem(outcome, clean(message), kind))
+    def _fault(self, kind: Fault, message: str) -> None:
+        self.problems.append(Problem(kind, clean(message)))
 
     def _check_deadlock(self) -> None:
         message = faults.deadlock(self._ranks[: self.active])
         if message is not None:
-            self._fault(protocol.TIMEOUT, "deadlock", message)
+            self._fault(Fault.DEADLOCK, message)
             for state in self._ranks[: self.active]:
                 if state.blocked_on is not None:
                     self._refuse(state.blocked_on, "deadlock: no rank can make progress")
@@ -414,10 +411,10 @@ class Broker(Connections):
             return
         self._leftovers_checked = True
         for op, message, reason in faults.leftovers(self._sends, self._recvs):
-            self._fault(protocol.ERROR, "unreceived", message)
+            self._fault(Fault.UNRECEIVED, message)
             self._refuse(op, reason)
         for message in faults.never_waited(self._ops.values()):
-            self._fault(protocol.ERROR, "unwaited", message)
+            self._fault(Fault.UNWAITED, message)
 
     def _reset_call(self) -> None:
         self.problems: list[Problem] = []

@@ -9,7 +9,7 @@ torchrun job serves every test of a world size; a job that a rank crashed or
 hung in is killed whole and a fresh one starts at the next call.
 :meth:`World.call` returns only when every rank returned normally and the
 broker saw nothing wrong; otherwise it raises the failure that explains
-what happened (:mod:`grader.testkit.failures`), blaming the root cause.
+what happened (:mod:`grader.failures`), blaming the root cause.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from grader import failures, protocol, wire
 from grader.broker.ops import Problem, Returned
 from grader.broker.server import Broker
 from grader.broker.traffic import Traffic
+from grader.failures import Fault
 from grader.launch.job import RANK_WRAPPER, TorchrunJob, log_tail, node_job, prepare_job
 from grader.launch.sandboxed import last_words, rank_exit
 from grader.protocol import RankError, RankExit
@@ -171,21 +172,21 @@ class RankPool:
     def _judge(self, broker: Broker, size: int, suffix: str, seconds: float) -> CallResult:
         outcomes = broker.outcomes()
         problems = list(broker.problems)
-        forbidden = sorted(p.message for p in problems if p.kind == "forbidden")
+        forbidden = sorted(p.message for p in problems if p.kind is Fault.FORBIDDEN)
         if forbidden:
             raise failures.ForbiddenCall(forbidden[0])
         own = {
             r: o
             for r, o in enumerate(outcomes)
-            if isinstance(o, RankError) and o.type != "BrokerRefused"
+            if isinstance(o, RankError) and o.type != protocol.REFUSED_ERROR
         }
         if own:
             echoes = [r for r in range(size) if r not in own and _echo(outcomes[r], problems)]
             raise _student_failure(own, echoes, suffix)
         if problems:
             # The most telling kind, then the lowest rank: the same message whatever the timing.
-            first = min(problems, key=lambda p: (_PROBLEM_ORDER.index(p.kind), p.message))
-            raise failures.BY_PROBLEM[first.kind](first.message + suffix)
+            first = min(problems, key=lambda p: (p.kind.precedence, p.message))
+            raise first.kind.failure(first.message + suffix)
         returned = [o for o in outcomes if isinstance(o, Returned)]
         if len(returned) != size:
             raise failures.CommunicationError("a rank's operation was refused" + suffix)
@@ -315,16 +316,10 @@ class RankPool:
             self._job = None
 
 
-_PROBLEM_ORDER = (
-    "protocol", "limit", "mismatch", "bad_peer", "disagreement", "deadlock", "unreceived",
-    "unwaited",
-)  # fmt: skip
-
-
 def _echo(outcome: Returned | RankError | None, problems: list[Problem]) -> bool:
     """A rank that only suffered from another's failure: its operation was refused."""
-    return (isinstance(outcome, RankError) and outcome.type == "BrokerRefused") or (
-        any(p.kind == "deadlock" for p in problems) and outcome is not None
+    return (isinstance(outcome, RankError) and outcome.type == protocol.REFUSED_ERROR) or (
+        any(p.kind is Fault.DEADLOCK for p in problems) and outcome is not None
     )
 
 

@@ -145,7 +145,7 @@ def test_a_collective_where_none_is_allowed_is_forbidden(broker) -> None:
     zero.post(protocol.COLLECTIVE, [b"\0" * 4], op=1, name="all_reduce", group=[0, 1],
               inputs=[{"dtype": "float32", "numel": 1}], outputs=[], at="c.py:2 in k")  # fmt: skip
     settle(broker, lambda: broker.problems)
-    assert broker.problems[0].outcome == protocol.FORBIDDEN
+    assert broker.problems[0].kind.failure.outcome == protocol.FORBIDDEN
     assert broker.problems[0].message.startswith(
         "rank 0: called a built-in collective (all_reduce) at c.py:2 in k"
     )
