@@ -95,11 +95,17 @@ def failure_hint(message: str, function: str, p: int, m: int) -> str:
                 f"p - 1 = {p - 1} warm-up forwards: the warm-up is min(p - r - 1, m) forwards"
             )
         return ""
+    no_grad = "call requires_grad_() on a received activation, or its .grad is None"
     for rank, way, peer in sorted(waits):
         if way == "recv from" and peer == rank + 1 and f"rank {peer} returned without" in message:
             return (
                 f"stage {peer} returned without sending the gradient of its input back to stage "
-                f"{rank}: call requires_grad_() on a received activation, or its .grad is None"
+                f"{rank}: {no_grad}"
+            )
+        if way == "recv from" and peer == rank + 1 and (peer, "recv from", rank) in waits:
+            return (
+                f"stages {rank} and {peer} both wait to receive from each other: a send was "
+                f"skipped, such as the gradient stage {peer} sends back: {no_grad}"
             )
         early = way == "send to" and peer == rank - 1 and (peer, "send to", rank) in waits
         if function == "gpipe_step" and early:

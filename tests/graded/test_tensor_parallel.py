@@ -285,6 +285,9 @@ def test_row_parallel_linear(world: World, setting: str) -> None:
             + (p - 1) * b64,
             "this rank's partial product only: reduce_from_parallel_region must all-reduce the "
             "partial products in forward": x64[..., mine] @ w64[:, mine].T + b64,
+            f"the partial products were averaged (1/{p} of their sum), then the bias added: "
+            "reduce_from_parallel_region's all-reduce sums them": (run["output"][0] - b64) / p
+            + b64,
         }
         expect(output_of(seen, what), run["output"], ALL, f"{what}: output", IN + 1, why)
         only_mine = torch.zeros_like(x64)
