@@ -15,6 +15,7 @@ from grader.launch.world import CallResult, World
 from grader.testkit.compare import check_close, check_unchanged, on_every_rank, require
 from grader.testkit.data import generator, rank_tensor
 from grader.testkit.record import TestRecord
+from grader.testkit.timing import stage_timing
 
 __all__ = [
     "CallResult",
@@ -29,4 +30,5 @@ __all__ = [
     "on_every_rank",
     "rank_tensor",
     "require",
+    "stage_timing",
 ]

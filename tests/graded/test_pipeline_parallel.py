@@ -43,6 +43,7 @@ from grader.testkit import (
     on_every_rank,
     rank_tensor,
     require,
+    stage_timing,
 )
 
 REGIMES = ("m<p", "m=p", "m>p")
@@ -405,8 +406,8 @@ def check_schedule(
             for r in range(p)
         ]
         bounds = [in_flight_bound(out.traffic, r) for r in range(p - 1)]
-        runs.append((m, timelines, problems, bounds))
-    m, timelines, problems, bounds = next((run for run in runs if any(run[2])), runs[0])
+        runs.append((m, timelines, problems, bounds, out.traffic))
+    m, timelines, problems, bounds, traffic = next((run for run in runs if any(run[2])), runs[0])
     expected = [order(p, r, m) for r in range(p)]
     record.schedule = (timelines, expected)
     record.details.update(
@@ -414,6 +415,7 @@ def check_schedule(
         expected_timeline=expected,
         num_microbatches=m,
         in_flight_lower_bound_from_messages=bounds,  # stages 0..p-2, trusted
+        stage_timing=stage_timing(traffic),  # the broker's clock: what the picture draws
     )
 
     def check(r: int) -> None:
