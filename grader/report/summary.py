@@ -92,15 +92,20 @@ def _points(results: Iterable[GradedResult]) -> str:
 def matrix_rows(results: list[GradedResult]) -> dict[str, list[GradedResult]]:
     """The matrix's rows: one per function, with its cost tests; a function's other
     correctness tests (``indivisible_dimension`` beside ``column_parallel_linear``) get a
-    row of their own, so that a cell says which test it is."""
-    rows: dict[str, list[GradedResult]] = {}
-    first: dict[str, str] = {}  # a function's first correctness test, by target
+    row of their own under it, so that a cell says which test it is."""
+    by_target: dict[str, dict[str, list[GradedResult]]] = {}
+    first: dict[str, str] = {}  # each function's first correctness test
     for result in results:
-        test, name = result.test, function_name(result.test.target)
+        test, row = result.test, ""  # "": the function's own row
         base = test.name.split("[", 1)[0]
         if test.kind not in COST_KINDS and first.setdefault(test.target, base) != base:
-            name = f"{name} ({base})"
-        rows.setdefault(name, []).append(result)
+            row = base
+        by_target.setdefault(test.target, {}).setdefault(row, []).append(result)
+    rows: dict[str, list[GradedResult]] = {}
+    for target, by_row in by_target.items():
+        name = function_name(target)
+        for row, mine in by_row.items():
+            rows[f"{name} ({row})" if row else name] = mine
     return rows
 
 
