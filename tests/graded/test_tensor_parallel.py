@@ -44,6 +44,7 @@ from grader.testkit import (
     World,
     check_close,
     check_unchanged,
+    failures,
     on_every_rank,
     rank_tensor,
     require,
@@ -66,6 +67,20 @@ def weights(key: str, n_in: int, n_out: int) -> tuple[Tensor, Tensor]:
 def shared(key: str, features: int) -> Tensor:
     """The same activation (or upstream gradient) on every rank."""
     return rank_tensor(key, 0, (*SHAPE, features), torch.float32)
+
+
+def call(world: World, scenario: str, args: list, case: str) -> CallResult:
+    """``world.call`` of a scenario; autograd's refusal of a backward's gradient says why."""
+    try:
+        return world.call(scenario=f"tensor_parallel.{scenario}", args=args, case=case)
+    except failures.StudentError as err:
+        if "returned an invalid gradient" not in str(err):
+            raise
+        raise failures.StudentError(
+            f"{err} (a backward returns a gradient of its input's shape: "
+            "scatter_to_parallel_region's backward all-gathers the ranks' gradients along the "
+            "last dimension, gather_from_parallel_region's keeps this rank's slice of it)"
+        ) from err
 
 
 def full_run(weight: Tensor, bias: Tensor, x: Tensor, grad: Tensor) -> dict[str, Pair]:
@@ -117,11 +132,7 @@ def test_column_parallel_linear(world: World, setting: str) -> None:
         "output features"
     )
     args = [(weight, bias, x, grad[outs[r]].clone(), gather) for r in range(p)]
-    out = world.call(
-        scenario="tensor_parallel.column_forward_backward",
-        args=args,
-        case=setting,
-    )
+    out = call(world, "column_forward_backward", args, setting)
     fix = "copy_to_parallel_region must all-reduce the input's gradient in backward"
 
     def check(r: int) -> None:
@@ -161,11 +172,8 @@ def test_row_parallel_linear(world: World, setting: str) -> None:
         "all-reduce, not concatenated or split"
     )
     xs = [(x_full[..., cols[r]] if parallel else x_full).clone() for r in range(p)]
-    out = world.call(
-        scenario="tensor_parallel.row_forward_backward",
-        args=[(weight, bias, xs[r], grad, parallel) for r in range(p)],
-        case=setting,
-    )
+    args = [(weight, bias, xs[r], grad, parallel) for r in range(p)]
+    out = call(world, "row_forward_backward", args, setting)
     w64, b64, x64 = weight.double(), bias.double(), x_full.double()
 
     def check(r: int) -> None:
@@ -258,7 +266,7 @@ def test_region_function(world: World, function: str) -> None:
     shape = (2, n * p) if function.startswith("gather") else (2, n)
     grads = [rank_tensor(function + "/grad", r, shape, torch.float32) for r in range(p)]
     args = [(function, xs[r], grads[r]) for r in range(p)]
-    out = world.call(scenario="tensor_parallel.region_forward_backward", args=args, case=function)
+    out = call(world, "region_forward_backward", args, function)
 
     def check(r: int) -> None:
         seen = out.returned[r]
