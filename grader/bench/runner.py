@@ -123,22 +123,40 @@ def print_tables(console: Console, results: list[BenchResult]) -> None:
             for record in result.records:
                 if record["function"] == function:
                     rows.setdefault(record["bytes"], {})[record["impl"]] = record
+            failed = failures(result.records, function)
             for nbytes, by_impl in sorted(rows.items()):
                 cells = []
                 for impl in IMPLEMENTATIONS:
                     record = by_impl.get(impl)
                     if record is None or "seconds" not in record:
-                        cells += ["[red]error[/]" if record else "-", ""]
+                        word = failed[impl][0] if impl in failed else "-"
+                        cells += [f"[red]{word}[/]" if record else word, ""]
                     else:
                         cells += [
                             duration(record["seconds"]),
                             f"{busbw(record, result.world_size):.3f}",
                         ]
                 table.add_row(size(nbytes), *cells)
-            caption = projection_caption(rows)
+            reasons = [f"{impl}: {word} ({why})" for impl, (word, why) in failed.items()]
+            caption = "; ".join(filter(None, [projection_caption(rows), *reasons]))
             if caption:
                 table.caption = caption
             console.print(table)
+
+
+def failures(records: list[dict[str, Any]], function: str) -> dict[str, tuple[str, str]]:
+    """Each implementation that raised on ``function``: a word for its cells, and why.
+
+    A stub raises NotImplementedError: that is "not implemented yet", as `grader run` says,
+    not an error; the worker measures no larger size of an implementation that raised.
+    """
+    failed = {}
+    for record in records:
+        if record["function"] == function and "error" in record:
+            error = str(record["error"])
+            word = "not implemented yet" if error.startswith("NotImplementedError") else "error"
+            failed.setdefault(record["impl"], (word, error))
+    return failed
 
 
 def projection_caption(rows: dict[int, dict[str, dict[str, Any]]]) -> str:
@@ -177,6 +195,10 @@ def binary_size(nbytes: float) -> str:
 
 PLOT_WIDTH_PX = 1200  # legible on a laptop screen and in a slide, whatever the panel count
 PLOT_DPI = 100
+
+
+def _all(results: list[BenchResult]) -> list[dict[str, Any]]:
+    return [record for result in results for record in result.records]
 
 
 def plot(results: list[BenchResult], path: Path) -> Path:
@@ -220,6 +242,11 @@ def plot(results: list[BenchResult], path: Path) -> Path:
                         label=label,
                     )
                     legend.setdefault(label, line)
+        missing = [
+            f"{impl}: {word}" for impl, (word, _) in failures(_all(results), function).items()
+        ]
+        if missing:  # a line left out says why
+            axis.text(0.02, 0.02, "\n".join(missing), transform=axis.transAxes, fontsize=10)
         axis.set_xscale("log", base=2)
         measured = sorted({x for line in axis.get_lines() for x in line.get_xdata()})
         step = max(1, -(-len(measured) // 8))  # at most 8 labels: they never overlap

@@ -16,17 +16,32 @@ Queues = dict[tuple[int, int, int], deque[Op]]
 
 
 def deadlock(states: Sequence[RankState]) -> str | None:
-    """No rank can make progress: every live rank is blocked or has returned, one blocked."""
+    """No rank can make progress: every live rank is blocked or has returned, one blocked.
+
+    A rank waiting on a peer that has returned waits for what that peer will never post:
+    the wait says so, since the peer's missing send (or receive) is the bug to look for.
+    """
     live = [r for r in states if r.alive]
     if any(r.outcome is None and r.blocked_on is None for r in live):
         return None
     blocked = [r for r in live if r.blocked_on is not None]
     if not blocked:
         return None
-    waits = [f"rank {r.rank} waits in {r.blocked_on.describe()}" for r in blocked]  # type: ignore[union-attr]
-    done = [str(r.rank) for r in live if r.outcome is not None]
+    finished = {r.rank for r in live if r.outcome is not None}
+    waits = [f"rank {r.rank} waits in {_wait(r.blocked_on, finished)}" for r in blocked]  # type: ignore[arg-type]
+    named = {r.blocked_on.peer for r in blocked if r.blocked_on.kind in _NEVER}  # type: ignore[union-attr]
+    done = [str(r) for r in sorted(finished - named)]
     returned = f" ({'rank' if len(done) == 1 else 'ranks'} {', '.join(done)} returned)"
     return "deadlock: " + " while ".join(waits) + (returned if done else "")
+
+
+_NEVER = {"recv": "sending", "send": "receiving"}  # what a returned peer never did
+
+
+def _wait(op: Op, finished: set[int]) -> str:
+    if op.kind not in _NEVER or op.peer not in finished:
+        return op.describe()
+    return f"{op.describe()}, but rank {op.peer} returned without {_NEVER[op.kind]} it"
 
 
 def leftovers(sends: Queues, recvs: Queues) -> Iterator[tuple[Op, str, str]]:

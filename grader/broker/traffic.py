@@ -7,6 +7,7 @@ the communication and performance judges read nothing else.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from time import monotonic
 from typing import Any
 
 
@@ -20,6 +21,9 @@ class Event:
     tag: int = 0
     at: str = ""  # the student's line that posted it
     dtype: str = ""  # a collective's first input tensor's dtype ("float32"), as the rank sent it
+    # The broker's clock when it recorded the event (the rank posted the operation): what the
+    # schedule pictures draw, never what a verdict rests on.
+    posted: float = field(default_factory=monotonic, compare=False)
 
     def as_dict(self) -> dict[str, Any]:
         return {"op": self.op, "peer": self.peer, "nbytes": self.nbytes, "tag": self.tag}

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from rich import box
 from rich.table import Table
@@ -36,6 +36,11 @@ LEGEND = "p = world size; ✓ passed, ✗ failed, partial: some of the points"
 COST_KINDS = ("communication", "performance", "schedule")
 _WRONG_RESULT = re.compile(r"(: element \S+.*: expected .*, got )|(: expected (shape|dtype) )")
 _NUMBER = re.compile(r"\d+(\.\d+)?(e[-+]?\d+)?")
+_LIST = re.compile(r"#(, #)+")  # "ranks 1, 2, 3" is "ranks #" whatever the world size
+_DRAWN = re.compile(r" \(schedules drawn in [^)]*\)")
+# The test a message begins with, "rank 0: gpipe_step with 3 microbatches on 2 stages: ",
+# "DataParallel(...) with SGD on 2 ranks, step 1, after synchronization: ".
+_WHAT = re.compile(r"^(ranks? #: )?[^:]* on # (ranks?|stages?)\b[^:]*: ")
 
 
 def is_partial(result: GradedResult) -> bool:
@@ -84,6 +89,26 @@ def _points(results: Iterable[GradedResult]) -> str:
     return f"{sum(r.score for r in results):g} / {sum(r.max_score for r in results):g}"
 
 
+def matrix_rows(results: list[GradedResult]) -> dict[str, list[GradedResult]]:
+    """The matrix's rows: one per function, with its cost tests; a function's other
+    correctness tests (``indivisible_dimension`` beside ``column_parallel_linear``) get a
+    row of their own under it, so that a cell says which test it is."""
+    by_target: dict[str, dict[str, list[GradedResult]]] = {}
+    first: dict[str, str] = {}  # each function's first correctness test
+    for result in results:
+        test, row = result.test, ""  # "": the function's own row
+        base = test.name.split("[", 1)[0]
+        if test.kind not in COST_KINDS and first.setdefault(test.target, base) != base:
+            row = base
+        by_target.setdefault(test.target, {}).setdefault(row, []).append(result)
+    rows: dict[str, list[GradedResult]] = {}
+    for target, by_row in by_target.items():
+        name = function_name(target)
+        for row, mine in by_row.items():
+            rows[f"{name} ({row})" if row else name] = mine
+    return rows
+
+
 def part_matrix(part: str, results: list[GradedResult]) -> Table:
     """One row per function, one column per world size (correctness), then one per cost kind."""
     sizes = sorted({r.test.world_size for r in results if r.test.kind not in COST_KINDS})
@@ -100,13 +125,11 @@ def part_matrix(part: str, results: list[GradedResult]) -> Table:
     for kind in kinds:
         table.add_column(kind, justify="center")
     table.add_column("points", justify="right")
-    targets = list(dict.fromkeys(r.test.target for r in results))
-    for target in targets:
-        mine = [r for r in results if r.test.target == target]
+    for row, mine in matrix_rows(results).items():
         correctness = [r for r in mine if r.test.kind not in COST_KINDS]
         cells = [_cell([r for r in correctness if r.test.world_size == s]) for s in sizes]
         cells += [_cost_cell([r for r in mine if r.test.kind == k]) for k in kinds]
-        table.add_row(Text(function_name(target)), *cells, _points(mine))
+        table.add_row(Text(row), *cells, _points(mine))
     table.add_section()
     table.add_row(Text("total", style="bold"), *[""] * (len(sizes) + len(kinds)), _points(results))
     return table
@@ -137,12 +160,13 @@ def per_test_table(part: str, results: list[GradedResult]) -> Table:
 
 @dataclass(frozen=True)
 class FixList:
-    """What to fix first: the failures to print, and what the summary line counts."""
+    """What to fix first: one failure per cause, the tests it also failed, the counts."""
 
     shown: list[GradedResult]
-    repeated: int  # failures that repeat a problem already shown
+    repeated: int  # failures that repeat a cause already shown
     not_run: int
     same_functions: bool  # every test counted is of a function already shown
+    also: dict[int, list[GradedResult]] = field(default_factory=dict)  # by id of a shown one
 
     @property
     def hidden(self) -> int:
@@ -162,23 +186,35 @@ class FixList:
             f"({', '.join(c for c in counts if c)}): `grader run --verbose` lists them"
         )
 
+    def affected(self, shown: GradedResult, limit: int = 6) -> str:
+        """The other tests that failed of ``shown``'s cause: name (world sizes), ..."""
+        sizes: dict[str, list[int]] = {}
+        for result in self.also.get(id(shown), []):
+            sizes.setdefault(result.test.name, []).append(result.test.world_size)
+        names = [f"{n} (p={','.join(map(str, sorted(set(w))))})" for n, w in sizes.items()]
+        more = f" and {len(names) - limit} more" if len(names) > limit else ""
+        return ", ".join(names[:limit]) + more
 
-def problem(result: GradedResult) -> str:
-    """What a failure says, without the figures: two failures alike here are one problem.
 
-    Every wrong result is one problem per function: a cost test checks the call's
-    result first, so a wrong sum fails it too, with other sizes and numbers.
+def cause(result: GradedResult) -> str:
+    """What a failure says, without its figures and its test: two failures alike are one cause.
+
+    A wrong result is one cause per function (a cost test checks the call's result first,
+    so a wrong sum fails it too, with other sizes and numbers). Otherwise the message is
+    compared without its numbers, its case, the test it names ("gpipe_step with 3
+    microbatches on 2 stages: ") and the order of the waits of a deadlock.
     """
-    message = result.verdict.message
+    message = _DRAWN.sub("", result.verdict.message.split(" (case: ")[0])
     if _WRONG_RESULT.search(message):
-        return "a wrong result"
-    return result.verdict.outcome + ": " + _NUMBER.sub("#", message.split(" (case: ")[0])
+        return f"{result.test.target}: a wrong result"
+    text = _WHAT.sub("", _LIST.sub("#", _NUMBER.sub("#", message))).replace("ranks #", "rank #")
+    return result.verdict.outcome + ": " + " while ".join(sorted(set(text.split(" while "))))
 
 
 def fix_first(results: list[GradedResult], collapse: bool = True) -> FixList:
-    """Root causes first: each function's failure at its smallest world size; then failures
-    that say something new; tests not run, and failures that repeat a listed problem, are
-    counted, not printed (unless ``collapse`` is False)."""
+    """One line per cause: its simplest failure (smallest world size, correctness before
+    costs), with the other tests it failed; tests not run are counted, not printed. With
+    ``collapse`` False every failure is printed."""
     failures = [r for r in results if not r.verdict.passed]
     ran = [r for r in failures if r.verdict.outcome != protocol.NOT_RUN]
     skipped = [r for r in failures if r.verdict.outcome == protocol.NOT_RUN]
@@ -190,20 +226,13 @@ def fix_first(results: list[GradedResult], collapse: bool = True) -> FixList:
         kind = COST_KINDS.index(r.test.kind) + 1 if r.test.kind in COST_KINDS else 0
         return r.test.world_size, kind, order[id(r)]
 
-    roots: dict[str, GradedResult] = {}
+    first: dict[str, GradedResult] = {}
+    also: dict[int, list[GradedResult]] = {}
     for result in sorted(ran, key=simplest):
-        roots.setdefault(result.test.target, result)
-    shown = sorted(roots.values(), key=lambda r: order[id(r)])
-    seen = {(r.test.target, problem(r)) for r in shown}
-    repeated, listed = 0, {id(r) for r in shown}
-    for result in sorted(ran, key=simplest):
-        if id(result) in listed:
-            continue
-        key = (result.test.target, problem(result))
-        if key in seen:
-            repeated += 1
-            continue
-        seen.add(key)
-        shown.append(result)
+        shown = first.setdefault(cause(result), result)
+        if shown is not result:
+            also.setdefault(id(shown), []).append(result)
+    shown = sorted(first.values(), key=lambda r: order[id(r)])
     same = {r.test.target for r in skipped} <= {r.test.target for r in shown}
-    return FixList(shown, repeated, len(skipped), same)
+    repeated = sum(len(v) for v in also.values())
+    return FixList(shown, repeated, len(skipped), same, also)

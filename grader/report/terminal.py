@@ -82,10 +82,10 @@ def print_summary(
     for result in results:
         by_part[result.test.part].append(result)
     for part, part_results in by_part.items():
-        if verbose:
-            console.print(per_test_table(part, part_results))
         console.print(part_matrix(part, part_results))
         console.print(f"[dim]{LEGEND}[/]", highlight=False)
+        if verbose:  # after the matrix, as docs/commands.md says
+            console.print(per_test_table(part, part_results))
         _print_fixes(console, part, part_results, verbose)
     if review:
         console.print("[bold]For a TA to look at[/] (no effect on the score):")
@@ -122,6 +122,9 @@ def _print_fixes(console: Console, part: str, results: list[GradedResult], verbo
             f"{_shown(result.verdict.message)}",
             **wrap,
         )
+        affected = fixes.affected(result)
+        if affected:
+            console.print(f"    [dim]the same cause failed {escape(affected)}[/]", **wrap)
         drawn = timelines_of(result.verdict)
         if drawn:
             console.print(terminal_table(*drawn, title="  schedule (F = forward, B = backward)"))

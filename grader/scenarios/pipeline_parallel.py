@@ -17,6 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from grader.scenarios import mark
+
 WIDTH = 6  # features of every activation
 ROWS = 2  # rows per microbatch
 
@@ -66,9 +68,11 @@ def step(
     stage = make_stage(weight, bias)
     recorder = Recorder(stage)
     shape = (ROWS, WIDTH)
+    mark("step")  # the broker's clock at the start and the end of the step: the picture's
     returned = getattr(student, function)(
         recorder, inputs, targets, F.mse_loss, num_microbatches, shape
     )
+    mark("end")  # first and last idle or busy time on this stage
     is_tensor = isinstance(returned, Tensor)
     return {
         "loss_type": "None" if returned is None else type(returned).__name__,

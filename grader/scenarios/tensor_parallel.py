@@ -37,17 +37,42 @@ def _grad(module: nn.Module | None, name: str) -> Tensor | None:
     return value.grad if isinstance(value, Tensor) else None
 
 
-def _run_layer(layer: nn.Module, full: nn.Linear, x: Tensor, grad: Tensor) -> dict:
-    """The shard as built, then one forward and backward of the layer on ``x``."""
-    seen: dict[str, Any] = {
+def _shard(layer: nn.Module, full: nn.Linear) -> dict[str, Any]:
+    return {
         "linear_weight": full.weight.detach().clone(),  # from_linear must leave it as it was
         "weight": _tensor(getattr(layer, "weight", None)),
         "bias": _tensor(getattr(layer, "bias", None)),
     }
+
+
+def shard(
+    student: ModuleType, layer: str, weight: Tensor, bias: Tensor, setting: dict[str, bool]
+) -> dict[str, Any]:
+    """``layer.from_linear(full, **setting)`` alone, and the dtypes of a float64 layer's shard.
+
+    Run before any forward, so that a wrong shard is named before it breaks a matmul.
+    """
+    cls = getattr(student, layer)
+    full = linear(weight, bias)
+    seen = _shard(cls.from_linear(full, **setting), full)
+    seen["float64_dtypes"] = _dtypes(
+        cls.from_linear(linear(weight.double(), bias.double()), **setting)
+    )
+    return seen
+
+
+def _run_layer(layer: nn.Module, full: nn.Linear, x: Tensor, grad: Tensor) -> dict:
+    """The shard as built, then one forward and backward of the layer on ``x``.
+
+    The backward runs only if the output has the upstream gradient's shape (the shape it
+    must have): otherwise the test names the output's shape, not autograd's mismatch.
+    """
+    seen = _shard(layer, full)
     y = layer(x.requires_grad_())
     seen["output_type"] = type(y).__name__
     if isinstance(y, Tensor):
-        y.backward(grad)
+        if y.shape == grad.shape:
+            y.backward(grad)
         seen["output"] = y
     seen["input_grad"] = x.grad
     seen["weight_grad"] = _grad(layer, "weight")
@@ -82,13 +107,40 @@ def region_forward_backward(student: ModuleType, function: str, x: Tensor, grad:
     seen: dict[str, Any] = {"output_type": type(y).__name__}
     if isinstance(y, Tensor):
         seen["output"] = y.detach().clone()  # before backward: nothing may change it later
-        y.backward(grad)
+        if y.shape == grad.shape:  # else the test names the output's shape
+            y.backward(grad)
     seen["input_grad"] = x.grad
     return seen
 
 
 def _find(mlp: nn.Module, cls: type) -> nn.Module | None:
     return next((m for m in mlp.modules() if isinstance(m, cls)), None)
+
+
+def _dtypes(layer: nn.Module | None) -> list[str]:
+    tensors = (getattr(layer, "weight", None), getattr(layer, "bias", None))
+    return [str(t.dtype) if isinstance(t, Tensor) else "none" for t in tensors]
+
+
+def mlp_shards(
+    student: ModuleType, fc1: tuple[Tensor, Tensor], fc2: tuple[Tensor, Tensor]
+) -> dict[str, Any]:
+    """``ParallelMLP.from_linears(fc1, fc2)`` alone: its two layers' shards, before a forward."""
+    full = linear(*fc1), linear(*fc2)
+    mlp = student.ParallelMLP.from_linears(*full)
+    wide = student.ParallelMLP.from_linears(
+        *(linear(w.double(), b.double()) for w, b in (fc1, fc2))
+    )
+    seen: dict[str, Any] = {}
+    for name, cls, layer in (
+        ("fc1", "ColumnParallelLinear", full[0]),
+        ("fc2", "RowParallelLinear", full[1]),
+    ):
+        found = _find(mlp, getattr(student, cls))
+        seen[name] = None if found is None else _shard(found, layer)
+        if found is not None:
+            seen[name]["float64_dtypes"] = _dtypes(_find(wide, getattr(student, cls)))
+    return seen
 
 
 def mlp_forward_backward(
@@ -109,7 +161,7 @@ def mlp_forward_backward(
     mark("forward")
     y = mlp(x.requires_grad_())
     mark("backward")
-    if isinstance(y, Tensor):
+    if isinstance(y, Tensor) and y.shape == grad.shape:  # else the test names the shape
         y.backward(grad)
     mark("end")
     return {

@@ -16,6 +16,7 @@ from grader.testkit.compare import check_close, check_unchanged, on_every_rank, 
 from grader.testkit.data import generator, rank_tensor
 from grader.testkit.information import check_informed
 from grader.testkit.record import TestRecord
+from grader.testkit.timing import stage_timing
 
 __all__ = [
     "CallResult",
@@ -31,4 +32,5 @@ __all__ = [
     "on_every_rank",
     "rank_tensor",
     "require",
+    "stage_timing",
 ]

@@ -14,15 +14,17 @@ schedule (``grader/scenarios/pipeline_parallel.py``), with fewer microbatches th
 - Schedule: correct gradients do not show the order of work, and the order is what 1F1B is
   for (at most ``p - r`` microbatches' activations alive on stage ``r``). A wrapper around
   the stage records ``F{i}`` when its ``i``-th forward runs and ``B{i}`` when the gradient
-  of its ``i``-th output is computed. GPipe runs every forward before any backward; 1F1B
-  runs ``min(p - r - 1, m)`` warm-up forwards, then one forward and one backward in turn,
-  then the remaining backwards. The broker's own record of each rank's messages confirms
-  what it can (see :func:`message_problem`). Every rank's order and the expected ones go to
-  ``record.schedule``, which the report draws.
+  of its ``i``-th output is computed. GPipe runs every forward before any backward, and
+  the backwards in forward order (microbatch 0 first); 1F1B runs ``min(p - r - 1, m)``
+  warm-up forwards (also run with ``m = 1`` from 3 stages on), then one forward and one
+  backward in turn, then the remaining backwards. The broker's own record of each rank's
+  messages confirms what it can (see :func:`message_problem`). Every rank's order and the
+  expected ones go to ``record.schedule``, which the report draws.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 
 import pytest
@@ -37,9 +39,11 @@ from grader.testkit import (
     Traffic,
     World,
     check_unchanged,
+    failures,
     on_every_rank,
     rank_tensor,
     require,
+    stage_timing,
 )
 
 REGIMES = ("m<p", "m=p", "m>p")
@@ -71,8 +75,47 @@ def run_step(world: World, function: str, m: int) -> tuple[CallResult, Tensor, T
         for r, weights in enumerate(stage_weights(p))
     ]
     case = f"{m} microbatch{'es' if m > 1 else ''}"
-    out = world.call(scenario="pipeline_parallel.step", args=args, case=case)
+    try:
+        out = world.call(scenario="pipeline_parallel.step", args=args, case=case)
+    except (failures.StudentError, failures.Deadlock) as err:
+        hint = failure_hint(str(err), function, p, m)
+        raise type(err)(f"{err} ({hint})" if hint else str(err)) from err
     return out, inputs, targets
+
+
+_WAIT = re.compile(r"rank (\d+) waits in (send to|recv from) rank (\d+)")
+
+
+def failure_hint(message: str, function: str, p: int, m: int) -> str:
+    """The pipeline mistake behind a deadlock (or a crash with m < p - 1), if it is a usual one."""
+    waits = {(int(a), way, int(b)) for a, way, b in _WAIT.findall(message)}
+    if not message.startswith("deadlock"):
+        if function == "one_f_one_b_step" and m < p - 1:
+            return (
+                f"with {m} microbatch{'es' * (m > 1)} on {p} stages, fewer than stage 0's "
+                f"p - 1 = {p - 1} warm-up forwards: the warm-up is min(p - r - 1, m) forwards"
+            )
+        return ""
+    no_grad = "call requires_grad_() on a received activation, or its .grad is None"
+    for rank, way, peer in sorted(waits):
+        if way == "recv from" and peer == rank + 1 and f"rank {peer} returned without" in message:
+            return (
+                f"stage {peer} returned without sending the gradient of its input back to stage "
+                f"{rank}: {no_grad}"
+            )
+        if way == "recv from" and peer == rank + 1 and (peer, "recv from", rank) in waits:
+            return (
+                f"stages {rank} and {peer} both wait to receive from each other: a send was "
+                f"skipped, such as the gradient stage {peer} sends back: {no_grad}"
+            )
+        early = way == "send to" and peer == rank - 1 and (peer, "send to", rank) in waits
+        if function == "gpipe_step" and early:
+            return (
+                f"a schedule error: stage {rank} started a backward (it sends a gradient to "
+                f"stage {peer}) while stage {peer} still sends it activations: GPipe runs "
+                "every forward before any backward"
+            )
+    return ""
 
 
 def expected_shares(p: int, inputs: Tensor, targets: Tensor, m: int) -> tuple[list[float], list]:
@@ -142,6 +185,9 @@ def gradient_mistakes(shares: list[Tensor], rank: int, p: int) -> dict[str, Tens
     }
     for k in range(m):
         mistakes[f": microbatch {k}'s share is missing: did its backward run?"] = want - shares[k]
+        mistakes[
+            f": microbatch {k}'s share is there twice: did it run (forward and backward) twice?"
+        ] = want + shares[k]
     return mistakes if m > 1 else {k: v for k, v in mistakes.items() if "2x" in k or "zero:" in k}
 
 
@@ -246,6 +292,14 @@ def gpipe_problem(timeline: list[str], p: int, rank: int, m: int) -> str | None:
             f"stage {rank} ran {late[0]} after {timeline[first]}: "
             f"GPipe runs every forward before any backward"
         )
+    backwards = timeline[first:]
+    for i, cell in enumerate(backwards):
+        if cell != f"B{i}":
+            order = "in reverse order" if backwards == [f"B{j}" for j in reversed(range(m))] else ""
+            return (
+                f"stage {rank} ran {cell} before B{i}{' (' + order + ')' if order else ''}: "
+                "GPipe backpropagates in forward order, microbatch 0 first"
+            )
     return None
 
 
@@ -327,6 +381,13 @@ def message_problem(traffic: Traffic, function: str, p: int, rank: int, m: int) 
     return None
 
 
+def schedule_microbatches(p: int) -> list[int]:
+    """The regimes' microbatch counts, then m = 1 from 3 stages on: with m = p - 1 at most,
+    a 1F1B warm-up of ``p - r - 1`` forwards that lacks its ``min(..., m)`` never runs short."""
+    counts = [microbatches(regime, p) for regime in ("m>p", "m=p", "m<p")]
+    return [*counts, 1] if p > 2 else counts
+
+
 def check_schedule(
     world: World, record: TestRecord, function: str, order: Callable, problem_of: Callable
 ) -> None:
@@ -337,8 +398,7 @@ def check_schedule(
     the messages show.
     """
     p, runs = world.size, []
-    for regime in ("m>p", "m=p", "m<p"):
-        m = microbatches(regime, p)
+    for m in schedule_microbatches(p):
         out, _, _ = run_step(world, function, m)
         timelines = [seen["timeline"] for seen in out.returned]
         problems = [
@@ -346,8 +406,8 @@ def check_schedule(
             for r in range(p)
         ]
         bounds = [in_flight_bound(out.traffic, r) for r in range(p - 1)]
-        runs.append((m, timelines, problems, bounds))
-    m, timelines, problems, bounds = next((run for run in runs if any(run[2])), runs[0])
+        runs.append((m, timelines, problems, bounds, out.traffic))
+    m, timelines, problems, bounds, traffic = next((run for run in runs if any(run[2])), runs[0])
     expected = [order(p, r, m) for r in range(p)]
     record.schedule = (timelines, expected)
     record.details.update(
@@ -355,6 +415,7 @@ def check_schedule(
         expected_timeline=expected,
         num_microbatches=m,
         in_flight_lower_bound_from_messages=bounds,  # stages 0..p-2, trusted
+        stage_timing=stage_timing(traffic),  # the broker's clock: what the picture draws
     )
 
     def check(r: int) -> None:

@@ -7,10 +7,12 @@ secret seed and sent to every rank; each rank shards them with the submission's
 with the full layers run here in float64, within the float32 rounding bound of
 ``check_close``:
 
-- ``column_parallel_linear``, ``row_parallel_linear``: the shard each rank holds (rows,
-  resp. columns ``[r*n/p, (r+1)*n/p)`` of the weight), the output, and the gradients of
-  the input, the weight and the bias, with both settings of ``gather_output``, resp.
-  ``input_is_parallel``.
+- ``column_parallel_linear``, ``row_parallel_linear``: first ``from_linear`` alone, the
+  shard each rank holds (rows, resp. columns ``[r*n/p, (r+1)*n/p)`` of the weight), with
+  the float64 layer's shard in float64; then the output's shape and values, and the
+  gradients of the input, the weight and the bias, with both settings of
+  ``gather_output``, resp. ``input_is_parallel``. A wrong shard or shape is named with
+  the dimension that is split and why, before it can break a matmul.
 - ``region_function``: each of the four autograd functions, forward and backward, against
   its definition, with a different non-contiguous input and upstream gradient on every rank.
 - ``parallel_mlp``: ``ParallelMLP.from_linears(fc1, fc2)`` against ``fc2(gelu(fc1(x)))``.
@@ -21,7 +23,8 @@ with the full layers run here in float64, within the float32 rounding bound of
   naming it (at p = 1 every size divides, and construction must simply work).
 
 A wrong value is explained where a usual mistake accounts for it: a bias added on every
-rank, a gradient that was not all-reduced, a gradient slice that was not all-gathered.
+rank, a gradient that was not all-reduced, or averaged (1/p of the sum), a gradient slice
+that was not all-gathered, a rank holding another rank's shard.
 """
 
 from __future__ import annotations
@@ -41,10 +44,12 @@ from grader.testkit import (
     World,
     check_close,
     check_unchanged,
+    failures,
     on_every_rank,
     rank_tensor,
     require,
 )
+from grader.testkit.shards import block, check_shape, check_shard, check_shards, check_still_holds
 
 IN, OUT, FFN = 8, 12, 16  # divisible by 1, 2 and 4
 SHAPE = (2, 3)  # leading dimensions of every activation: 6 rows
@@ -64,28 +69,18 @@ def shared(key: str, features: int) -> Tensor:
     return rank_tensor(key, 0, (*SHAPE, features), torch.float32)
 
 
-def block(p: int, rank: int, n: int) -> slice:
-    return slice(rank * n // p, (rank + 1) * n // p)
-
-
-def check_shard(seen: dict, full: dict[str, Tensor], rows: slice, cols: slice, what: str) -> None:
-    """The contract's shard: ``weight[rows, cols]``, and the bias's ``rows`` (all if replicated)."""
-    shard = {"weight": full["weight"][rows, cols], "bias": full["bias"][rows]}
-    for name, want in shard.items():
-        got = seen[name]
-        require(isinstance(got, Tensor), f"{what}: the layer has no .{name} tensor")
-        whole = " (the full tensor, not this rank's shard)" if got.shape == full[name].shape else ""
-        require(
-            got.shape == want.shape,
-            f"{what}: .{name} has shape {tuple(got.shape)}, expected {tuple(want.shape)}{whole}",
-        )
-        part = "columns" if name == "weight" and cols != ALL else "rows"
-        holds = f"{part} [r*n/p, (r+1)*n/p) of it"
-        require(
-            torch.equal(got, want),
-            f"{what}: .{name} is not this rank's shard of the full layer's {name}: rank r "
-            f"holds {'the full bias' if name == 'bias' and rows == ALL else holds}",
-        )
+def call(world: World, scenario: str, args: list, case: str) -> CallResult:
+    """``world.call`` of a scenario; autograd's refusal of a backward's gradient says why."""
+    try:
+        return world.call(scenario=f"tensor_parallel.{scenario}", args=args, case=case)
+    except failures.StudentError as err:
+        if "returned an invalid gradient" not in str(err):
+            raise
+        raise failures.StudentError(
+            f"{err} (a backward returns a gradient of its input's shape: "
+            "scatter_to_parallel_region's backward all-gathers the ranks' gradients along the "
+            "last dimension, gather_from_parallel_region's keeps this rank's slice of it)"
+        ) from err
 
 
 def full_run(weight: Tensor, bias: Tensor, x: Tensor, grad: Tensor) -> dict[str, Pair]:
@@ -118,14 +113,6 @@ def output_of(seen: dict, what: str) -> Tensor:
     return output
 
 
-def check_layer_start(
-    seen: dict, full: dict[str, Tensor], rows: slice, cols: slice, what: str
-) -> None:
-    """``from_linear`` left its argument as it was, and kept this rank's shard of it."""
-    check_unchanged(seen["linear_weight"], full["weight"], f"{what}: from_linear's argument weight")
-    check_shard(seen, full, rows, cols, what)
-
-
 @pytest.mark.graded(target="tensor_parallel.ColumnParallelLinear", kind="correctness")
 @pytest.mark.parametrize("setting", ["gather_output=False", "gather_output=True"])
 def test_column_parallel_linear(world: World, setting: str) -> None:
@@ -133,26 +120,37 @@ def test_column_parallel_linear(world: World, setting: str) -> None:
     what = f"ColumnParallelLinear(gather_output={gather}) on {p} ranks"
     weight, bias = weights("col", IN, OUT)
     x, grad = shared("col/x", IN), shared("col/grad", OUT)
+    full = check_shards(world, "ColumnParallelLinear", weight, bias, setting)
     run = full_run(weight, bias, x, grad)
     outs = [(..., ALL if gather else block(p, r, OUT)) for r in range(p)]
-    args = [(weight, bias, x, grad[outs[r]].clone(), gather) for r in range(p)]
-    out = world.call(
-        scenario="tensor_parallel.column_forward_backward",
-        args=args,
-        case=setting,
+    shape = (*SHAPE, OUT if gather else OUT // p)
+    why = (
+        f"gather_output=True concatenates the {p} ranks' slices of {OUT // p} output features "
+        f"along the last dimension, in rank order, into all {OUT}"
+        if gather
+        else f"gather_output=False leaves each rank its out_features/p = {OUT}/{p} = {OUT // p} "
+        "output features"
     )
+    args = [(weight, bias, x, grad[outs[r]].clone(), gather) for r in range(p)]
+    out = call(world, "column_forward_backward", args, setting)
     fix = "copy_to_parallel_region must all-reduce the input's gradient in backward"
 
     def check(r: int) -> None:
         seen, rows = out.returned[r], block(p, r, OUT)
-        check_layer_start(seen, {"weight": weight, "bias": bias}, rows, ALL, what)
+        check_still_holds(seen, full, "ColumnParallelLinear", p, r)
+        check_shape(output_of(seen, what), shape, what, why)
         expect(output_of(seen, what), run["output"], outs[r], f"{what}: output", IN + 1)
-        why = {
+        why_grad = {
             f"this rank's partial sum only: {fix}": grad[..., rows].double()
             @ weight[rows].double(),
             f"{p}x the expected: {fix} once": p * run["input"][0],
+            f"1/{p} of the expected: {fix}, summing the ranks' gradients, not averaging them": (
+                run["input"][0] / p
+            ),
         }
-        expect(seen["input_grad"], run["input"], ALL, f"{what}: the input's gradient", OUT, why)
+        expect(
+            seen["input_grad"], run["input"], ALL, f"{what}: the input's gradient", OUT, why_grad
+        )
         expect(seen["weight_grad"], run["weight"], rows, f"{what}: weight gradient", 6)
         expect(seen["bias_grad"], run["bias"], rows, f"{what}: bias gradient", 6)
 
@@ -166,25 +164,31 @@ def test_row_parallel_linear(world: World, setting: str) -> None:
     what = f"RowParallelLinear(input_is_parallel={parallel}) on {p} ranks"
     weight, bias = weights("row", IN, OUT)
     x_full, grad = shared("row/x", IN), shared("row/grad", OUT)
+    full = check_shards(world, "RowParallelLinear", weight, bias, setting)
     run = full_run(weight, bias, x_full, grad)
     cols = [block(p, r, IN) for r in range(p)]
-    xs = [(x_full[..., cols[r]] if parallel else x_full).clone() for r in range(p)]
-    out = world.call(
-        scenario="tensor_parallel.row_forward_backward",
-        args=[(weight, bias, xs[r], grad, parallel) for r in range(p)],
-        case=setting,
+    reduced = (
+        f"the {p} ranks' partial products, each of shape {(*SHAPE, OUT)}, are summed by the "
+        "all-reduce, not concatenated or split"
     )
+    xs = [(x_full[..., cols[r]] if parallel else x_full).clone() for r in range(p)]
+    args = [(weight, bias, xs[r], grad, parallel) for r in range(p)]
+    out = call(world, "row_forward_backward", args, setting)
     w64, b64, x64 = weight.double(), bias.double(), x_full.double()
 
     def check(r: int) -> None:
         seen, mine = out.returned[r], cols[r]
-        check_layer_start(seen, {"weight": weight, "bias": bias}, ALL, mine, what)
+        check_still_holds(seen, full, "RowParallelLinear", p, r)
+        check_shape(output_of(seen, what), (*SHAPE, OUT), what, reduced)
         why = {
             "the bias is added on every rank before the reduction: the output is off by (p-1) x "
             f"bias = {p - 1} x bias; add it once, after the all-reduce": run["output"][0]
             + (p - 1) * b64,
             "this rank's partial product only: reduce_from_parallel_region must all-reduce the "
             "partial products in forward": x64[..., mine] @ w64[:, mine].T + b64,
+            f"the partial products were averaged (1/{p} of their sum), then the bias added: "
+            "reduce_from_parallel_region's all-reduce sums them": (run["output"][0] - b64) / p
+            + b64,
         }
         expect(output_of(seen, what), run["output"], ALL, f"{what}: output", IN + 1, why)
         only_mine = torch.zeros_like(x64)
@@ -203,6 +207,17 @@ def test_row_parallel_linear(world: World, setting: str) -> None:
     on_every_rank(p, check)
 
 
+SHAPES = {  # why each region function's output has its shape, from a (2, n) input per rank
+    "copy_to_parallel_region": lambda p, n: "the forward is the identity",
+    "reduce_from_parallel_region": lambda p, n: "the all-reduce sums the ranks' tensors",
+    "gather_from_parallel_region": lambda p, n: (
+        f"the all-gather concatenates the {p} ranks' "
+        f"(2, {n}) tensors along the last dimension, in rank order"
+    ),
+    "scatter_to_parallel_region": lambda p, n: (
+        f"each rank keeps its {n} of the {n * p} columns of the last dimension"
+    ),
+}
 FUNCTIONS = [f"{verb}_parallel_region" for verb in ("copy_to", "reduce_from", "gather_from")]
 FUNCTIONS.append("scatter_to_parallel_region")
 
@@ -220,12 +235,15 @@ def region_definition(
     def pair(value: Tensor, magnitude: Tensor) -> Pair:
         return value.float(), magnitude
 
+    p = len(xs)
+    averaged = f"it is 1/{p} of the sum over ranks: the all-reduce sums, never averages"
     if function == "copy_to_parallel_region":
         y_why = {"it is the sum over ranks: the forward is the identity": x_sum}
         g_why = {"it is this rank's own gradient: the backward all-reduces it": g}
+        g_why[averaged] = g_sum / p
         return pair(x, x.abs()), y_why, pair(g_sum, g_mag), g_why
     if function == "reduce_from_parallel_region":
-        y_why = {"it is this rank's input: the forward all-reduces it": x}
+        y_why = {"it is this rank's input: the forward all-reduces it": x, averaged: x_sum / p}
         g_why = {"it is the sum over ranks: the backward is the identity": g_sum}
         return pair(x_sum, x_mag), y_why, pair(g, g.abs()), g_why
     if function == "gather_from_parallel_region":
@@ -248,12 +266,13 @@ def test_region_function(world: World, function: str) -> None:
     shape = (2, n * p) if function.startswith("gather") else (2, n)
     grads = [rank_tensor(function + "/grad", r, shape, torch.float32) for r in range(p)]
     args = [(function, xs[r], grads[r]) for r in range(p)]
-    out = world.call(scenario="tensor_parallel.region_forward_backward", args=args, case=function)
+    out = call(world, "region_forward_backward", args, function)
 
     def check(r: int) -> None:
         seen = out.returned[r]
         check_unchanged(out.args[r][1], xs[r], f"{what}: its input x")
         y_want, y_why, g_want, g_why = region_definition(function, xs, grads, r, n)
+        check_shape(output_of(seen, what), tuple(y_want[0].shape), what, SHAPES[function](p, n))
         expect(output_of(seen, what), y_want, ALL, f"{what}, forward: output", p, y_why)
         got = seen["input_grad"]
         expect(got, g_want, ALL, f"{what}, backward: the input's gradient", p, g_why)
@@ -265,6 +284,23 @@ def mlp_call(world: World) -> tuple[dict[str, Tensor], Tensor, Tensor, CallResul
     """``ParallelMLP.from_linears(fc1, fc2)`` run on every rank on the same input."""
     (w1, b1), (w2, b2) = weights("fc1", IN, FFN), weights("fc2", FFN, IN)
     x, grad = shared("mlp/x", IN), shared("mlp/grad", IN)
+    shards = world.call(
+        scenario="tensor_parallel.mlp_shards",
+        args=[((w1, b1), (w2, b2))] * world.size,
+        case="from_linears",
+    )
+
+    def check(r: int) -> None:
+        for role, layer, full in (
+            ("fc1", "ColumnParallelLinear", {"weight": w1, "bias": b1}),
+            ("fc2", "RowParallelLinear", {"weight": w2, "bias": b2}),
+        ):
+            seen = shards.returned[r][role]
+            kind = f"{layer} (its {role}, {layer[:3].lower()} parallel)"
+            require(seen is not None, f"ParallelMLP.from_linears: the MLP holds no {kind}")
+            check_shard(seen, full, layer, world.size, r, f"ParallelMLP.from_linears: {role}")
+
+    on_every_rank(world.size, check)
     args = [((w1, b1), (w2, b2), x, grad) for _ in range(world.size)]
     out = world.call(scenario="tensor_parallel.mlp_forward_backward", args=args)
     return {"w1": w1, "b1": b1, "w2": w2, "b2": b2}, x, grad, out

@@ -92,3 +92,61 @@ def test_blocking_sends_deadlock_in_1f1b(grade) -> None:
         assert message.startswith("deadlock: rank 0 waits in send to rank 1 at "), message
         assert " while rank 1 waits in send to rank 0 at " in message
         assert "assignments/pipeline_parallel.py" in message
+
+
+def failing(graded) -> dict[str, str]:
+    """The tests that did not pass, with their outcome (one world size per submission)."""
+    outcomes = graded.outcomes()
+    assert outcomes, graded.stdout + graded.stderr
+    return {name: outcome for (name, _), outcome in outcomes.items() if outcome != "passed"}
+
+
+def test_gpipe_backwards_in_reverse_order_fail_its_schedule(grade) -> None:
+    graded = grade("pp_gpipe_reverse_backward", PART, world_sizes=(2,))
+    assert failing(graded) == {"gpipe_schedule": "failed"}  # the gradients are right
+    message = graded.message("gpipe_schedule", 2)
+    assert "ran B4 before B0 (in reverse order)" in message, message
+    assert "forward order, microbatch 0 first" in message
+
+
+def test_1f1b_warmup_without_min_fails_with_one_microbatch_on_3_stages(grade) -> None:
+    graded = grade("pp_1f1b_no_min", PART, world_sizes=(3,))
+    assert failing(graded) == {"one_f_one_b_schedule": "error"}  # m = 1 is in that test only
+    message = graded.message("one_f_one_b_schedule", 3)
+    assert message.startswith("rank 0: IndexError: "), message
+    assert "with 1 microbatch on 3 stages" in message and "min(p - r - 1, m)" in message
+
+
+def test_an_activation_without_requires_grad_is_named_in_the_deadlock(grade) -> None:
+    graded = grade("pp_no_requires_grad", PART, world_sizes=(2,))
+    assert failing(graded) == dict.fromkeys(GRADIENTS + SCHEDULES, "timeout")
+    for name in GRADIENTS + SCHEDULES:
+        message = graded.message(name, 2)
+        assert message.startswith("deadlock: rank 0 waits in recv from rank 1 at "), message
+        assert "requires_grad_()" in message and ".grad is None" in message
+        if "rank 1 waits" not in message:  # rank 1 returned: what it never sent is said
+            assert "but rank 1 returned without sending it" in message
+
+
+def test_gpipe_backward_before_the_forwards_are_done_is_a_schedule_error(grade) -> None:
+    graded = grade("pp_gpipe_backward_early", PART, world_sizes=(2,))
+    early = ["gpipe_gradients[m=p]", "gpipe_gradients[m>p]", "gpipe_schedule"]
+    assert failing(graded) == dict.fromkeys(early, "timeout")  # one microbatch: GPipe's order
+    for name in early:
+        message = graded.message(name, 2)
+        assert message.startswith("deadlock: "), message
+        assert "a schedule error: stage 1 started a backward" in message
+        assert "every forward before any backward" in message
+
+
+def test_a_microbatch_backpropagated_twice_is_named(grade) -> None:
+    graded = grade("pp_microbatch_twice", PART, world_sizes=(2,))
+    assert failing(graded) == dict.fromkeys(GRADIENTS + SCHEDULES, "failed")
+    for name in GRADIENTS:
+        message = graded.message(name, 2)
+        if name.endswith("[m<p]"):  # one microbatch: twice it is 2x
+            assert "about 2x the expected" in message, message
+        else:
+            assert "microbatch 0's share is there twice" in message, message
+    for name in SCHEDULES:
+        assert "backpropagated microbatch 0 (B0) 2 times" in graded.message(name, 2)

@@ -206,3 +206,68 @@ def test_what_a_submission_chose_reaches_the_terminal_without_escape_codes() -> 
     shown = out.getvalue()
     assert "\x1b" not in shown and "\x07" not in shown
     assert "rank 0 said ]0;ownedhello" in shown and "left out of the submission: x.so" in shown
+
+
+def test_one_line_per_cause_names_the_tests_it_failed() -> None:
+    detached = "rank 1: {f} with {m} on {p} stages: return the loss detached (loss.detach())"
+    wait = "rank {r} waits in send to rank {s} at assignments/pipeline_parallel.py:97 in _send"
+    results = [
+        result(
+            f"{f}_gradients[m<p]",
+            p,
+            protocol.FAILED,
+            message=detached.format(
+                f=f, m="1 microbatch" if p == 2 else f"{p - 1} microbatches", p=p
+            ),
+            target=f,
+        )
+        for f in ("gpipe_step", "one_f_one_b_step")
+        for p in (2, 3)
+    ]
+    results += [  # one deadlock, its waits listed in another order at every world size
+        result(
+            "one_f_one_b_schedule",
+            p,
+            protocol.TIMEOUT,
+            kind="schedule",
+            message="deadlock: "
+            + " while ".join(wait.format(r=r, s=r ^ 1) for r in range(p - p % 2)),
+            target="one_f_one_b_step",
+        )
+        for p in (2, 4)
+    ]
+    fixes = fix_first(results)
+    assert [(r.test.name, r.test.world_size) for r in fixes.shown] == [
+        ("gpipe_step_gradients[m<p]", 2),
+        ("one_f_one_b_schedule", 2),
+    ]
+    assert fixes.affected(fixes.shown[0]) == (
+        "one_f_one_b_step_gradients[m<p] (p=2,3), gpipe_step_gradients[m<p] (p=3)"
+    )
+    text = render(results)
+    assert text.count("return the loss detached") == 1 and text.count("deadlock: ") == 1
+    assert "the same cause failed one_f_one_b_schedule (p=4)" in text
+
+
+def test_a_second_correctness_test_of_a_class_has_its_own_row() -> None:
+    target = "ColumnParallelLinear"
+    results = [result(f"column_parallel_linear[gather_output={v}]", 2, target=target) for v in "FT"]
+    message = "ColumnParallelLinear(12, 8) on 2 ranks did not raise ValueError"
+    results.append(
+        result(
+            f"indivisible_dimension[{target}]", 2, protocol.FAILED, message=message, target=target
+        )
+    )
+    out = io.StringIO()
+    Console(file=out, width=200, color_system=None).print(part_matrix("tensor_parallel", results))
+    lines = out.getvalue().splitlines()
+    row = next(line for line in lines if "ColumnParallelLinear" in line and "(" not in line)
+    assert row.split()[1:] == ["✓", "2", "/", "2"]
+    line = next(line for line in lines if "ColumnParallelLinear (indivisible_dimension)" in line)
+    assert line.split()[-4:] == ["✗", "0", "/", "1"]
+
+
+def test_verbose_prints_every_test_after_the_matrix() -> None:
+    text = render(broken_all_reduce(), verbose=True)
+    legend, table = text.index("p = world size"), text.index("world size ┃")
+    assert legend < table < text.index("What to fix first")

@@ -1,0 +1,90 @@
+"""The schedule picture, from a made-up broker record: fast, no job.
+
+The broker's clock gives each stage's forwards, backwards and waits (the pipeline
+bubble a student reads about); the PNG draws them with a legend, and a schedule that
+passes leaves no stale PNG behind.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from grader import protocol
+from grader.catalog import GradedTest
+from grader.config import TestSettings
+from grader.judge.verdict import Schedule, Verdict
+from grader.report.results import GradedResult
+from grader.report.timeline import draw_failed_schedules, png_path
+from grader.testkit import Event, Traffic, stage_timing
+
+
+def gpipe_two_stages() -> Traffic:
+    """GPipe on 2 stages, 2 microbatches, each forward 1 s and each backward 2 s of work."""
+    mark = "mark"
+    stage0 = [
+        Event(mark, -1, 0, at="step", posted=0.0),
+        Event("send", 1, 24, posted=1.0),  # F0 done
+        Event("send", 1, 24, posted=2.0),  # F1 done
+        Event("recv", 1, 24, posted=2.0),  # waits for B0's gradient until 5
+        Event("recv", 1, 24, posted=7.0),  # B0 done; B1's gradient came at 7
+        Event(mark, -1, 0, at="end", posted=9.0),
+    ]
+    stage1 = [
+        Event(mark, -1, 0, at="step", posted=0.0),
+        Event("recv", 0, 24, posted=0.0),  # F0's activation comes at 1
+        Event("recv", 0, 24, posted=2.0),  # F0 done; F1's activation came at 2
+        Event("send", 0, 24, posted=5.0),  # F1 + B0 done (its loss joins them)
+        Event("send", 0, 24, posted=7.0),  # B1 done
+        Event(mark, -1, 0, at="end", posted=7.0),
+    ]
+    return Traffic([stage0, stage1])
+
+
+def test_the_broker_clock_gives_each_stages_work_and_waits() -> None:
+    timing = stage_timing(gpipe_two_stages())
+    got = [[(s["kind"], s["label"], s["start"], s["end"]) for s in row] for row in timing]
+    assert got[0] == [
+        ("forward", "F0", 0.0, 1.0),
+        ("forward", "F1", 1.0, 2.0),
+        ("idle", "", 2.0, 5.0),  # the bubble: stage 1 works on F1 and B0
+        ("backward", "B0", 5.0, 7.0),
+        ("backward", "B1", 7.0, 9.0),
+    ]
+    assert got[1] == [
+        ("idle", "", 0.0, 1.0),
+        ("forward", "F0", 1.0, 2.0),
+        ("forward+backward", "F1+B0", 2.0, 5.0),  # the last stage's loss joins them
+        ("backward", "B1", 5.0, 7.0),
+    ]
+
+
+def result(passed: bool, details: dict) -> GradedResult:
+    settings = TestSettings((2,), 2.0, 60.0, "visible", True)
+    test = GradedTest(
+        "pipeline_parallel",
+        "gpipe_schedule",
+        "gpipe_schedule",
+        "pipeline_parallel.gpipe_step",
+        "schedule",
+        2,
+        settings,
+    )
+    order = [["F0", "F1", "B0", "B1"]] * 2
+    outcome = protocol.PASSED if passed else protocol.FAILED
+    verdict = Verdict(
+        outcome, "" if passed else "wrong", details=details, schedule=Schedule(order, order)
+    )
+    return GradedResult(test, verdict, 2.0 if passed else 0.0)
+
+
+def test_a_failed_schedule_is_drawn_in_time_and_a_passing_one_leaves_no_png(tmp_path: Path):
+    pytest.importorskip("matplotlib")
+    details = {"stage_timing": stage_timing(gpipe_two_stages())}
+    failed = result(False, details)
+    (drawn,) = draw_failed_schedules([failed], tmp_path)
+    path = png_path(failed, tmp_path)
+    assert path.exists() and path.name in drawn.verdict.message
+    draw_failed_schedules([result(True, details)], tmp_path)  # fixed since: the PNG goes
+    assert not path.exists()
