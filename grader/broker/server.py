@@ -266,7 +266,9 @@ class Broker:
         inputs = op.info["inputs"]
         dtype = inputs[0].dtype if inputs else ""
         # As posted, with the dtype: a bucket flattened in float32 shows here, not only in bytes.
-        self.traffic.per_rank[state.rank].append(Event(name, -1, nbytes, at=op.at, dtype=dtype))
+        self.traffic.per_rank[state.rank].append(
+            Event(name, -1, nbytes, at=op.at, dtype=dtype, payload=b"".join(op.payload))
+        )
         sequence = self._sequence[(state.rank, group)]
         self._sequence[(state.rank, group)] += 1
         pending = self._collectives.setdefault((group, sequence), {})
@@ -337,7 +339,13 @@ class Broker:
     def _queue(self, queues: dict[tuple[int, int, int], deque[Op]], key: Any, op: Op) -> None:
         queues[key].append(op)
         self.traffic.per_rank[op.rank].append(
-            Event(op.kind, op.peer, nbytes(op.meta) if op.meta else 0, op.tag)
+            Event(
+                op.kind,
+                op.peer,
+                nbytes(op.meta) if op.meta else 0,
+                op.tag,
+                payload=op.payload[0] if op.payload else b"",
+            )
         )
         sends, recvs = self._sends[key], self._recvs[key]
         while sends and recvs:

@@ -20,6 +20,9 @@ class Event:
     tag: int = 0
     at: str = ""  # the student's line that posted it
     dtype: str = ""  # a collective's first input tensor's dtype ("float32"), as the rank sent it
+    # The bytes a send carried, or a collective's inputs end to end: for tests that check what
+    # a message holds, not only its size. Empty for a receive.
+    payload: bytes | bytearray = field(default=b"", repr=False, compare=False)
 
     def as_dict(self) -> dict[str, Any]:
         return {"op": self.op, "peer": self.peer, "nbytes": self.nbytes, "tag": self.tag}
