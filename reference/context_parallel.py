@@ -64,6 +64,25 @@ def _merge(out: Tensor, lse: Tensor, block_out: Tensor, block_lse: Tensor) -> tu
     return torch.exp(lse - new_lse) * out + torch.exp(block_lse - new_lse) * block_out, new_lse
 
 
+def _block_gradients(
+    q: Tensor, k: Tensor, v: Tensor, d_out: Tensor, lse: Tensor, delta: Tensor, diagonal: bool
+) -> tuple[Tensor, Tensor, Tensor]:
+    """One K/V block's share of dQ, and the block's dK and dV from these queries.
+
+    With P = exp(scores - lse) (the softmax rows, from the whole sequence's log-sum-exp saved
+    in forward), dP = dO v^T and delta = rowsum(dO * O): dV = P^T dO, dS = P * (dP - delta),
+    dQ = dS K / sqrt(D), dK = dS^T Q / sqrt(D).
+    """
+    scale = q.size(-1) ** -0.5
+    probs = torch.exp(_scores(q, k, diagonal) - lse)
+    d_scores = probs * (d_out @ v.transpose(-2, -1) - delta)
+    return (
+        (d_scores @ k) * scale,
+        (d_scores.transpose(-2, -1) @ q) * scale,
+        probs.transpose(-2, -1) @ d_out,
+    )
+
+
 def _pass_on(block: Tensor, group: ProcessGroup | None) -> tuple[Tensor, list[dist.Work]]:
     """Post the send of ``block`` to rank r+1 and the receive of the next one from rank r-1.
 
@@ -128,14 +147,10 @@ class _RingAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: FunctionCtx, grad_out: Tensor) -> tuple[Tensor, Tensor, Tensor, None, None]:
-        """K/V go around again; the dK/dV of the held block travels with it and ends at home.
-
-        With P = exp(scores - lse) (the softmax, from the saved log-sum-exp) and dP = dO v^T:
-        dV = P^T dO, dS = P * (dP - rowsum(dO * O)), dQ = dS K / sqrt(D), dK = dS^T Q / sqrt(D).
-        """
+        """K/V go around again; the dK/dV of the held block travels with it and ends at home."""
         q, k, v, out, lse = ctx.saved_tensors
         p, r = dist.get_world_size(ctx.group), dist.get_rank(ctx.group)
-        acc, scale = _accumulation_dtype(q.dtype), q.size(-1) ** -0.5
+        acc = _accumulation_dtype(q.dtype)
         q_acc, d_out = q.to(acc), grad_out.to(acc)
         delta = (d_out * out).sum(dim=-1, keepdim=True)
         dq = torch.zeros_like(q_acc)
@@ -148,12 +163,11 @@ class _RingAttention(torch.autograd.Function):
             compute, diagonal = _work_on(owner, r, ctx.causal)
             if compute:
                 k_block, v_block = kv[0].to(acc), kv[1].to(acc)
-                probs = torch.exp(_scores(q_acc, k_block, diagonal) - lse)
-                d_scores = probs * (d_out @ v_block.transpose(-2, -1) - delta)
-                dq += (d_scores @ k_block) * scale
-                dkv = dkv + torch.stack(
-                    [(d_scores.transpose(-2, -1) @ q_acc) * scale, probs.transpose(-2, -1) @ d_out]
+                dq_block, dk_block, dv_block = _block_gradients(
+                    q_acc, k_block, v_block, d_out, lse, delta, diagonal
                 )
+                dq += dq_block
+                dkv = dkv + torch.stack([dk_block, dv_block])
             if p > 1:  # p hops in all: after the last one, every dK/dV is back at its owner
                 dkv, dkv_works = _pass_on(dkv, ctx.group)
                 _wait(dkv_works)

@@ -129,7 +129,8 @@ def mistakes(run: Run, r: int) -> dict[str, dict[str, Tensor]]:
             ),
         ):
             wrong = attention(full["q"], full["k"], full["v"], full["grad"], True, allowed)
-            why["output"][hint] = wrong.output[:, :, here]
+            for name in NAMES:
+                why[name][hint] = wrong.result(name)[:, :, here]
     if p > 1:
         own = torch.zeros_like(full["grad"])
         own[:, :, here] = full["grad"][:, :, here]
@@ -144,40 +145,44 @@ def mistakes(run: Run, r: int) -> dict[str, dict[str, Tensor]]:
 
 
 def check_results(run: Run, function: str, what: str) -> None:
+    """The output on every rank first, then dq, dk, dv: the forward's mistake is named first."""
     oracle, dtype = run.oracle, run.case.dtype
+    why = [mistakes(run, r) for r in range(run.p)]
 
-    def check(r: int) -> None:
-        seen, here = run.out.returned[r], run.block(r)
+    def returned(r: int) -> None:
+        seen = run.out.returned[r]
         require(
             seen["output"] is not None,
             f"{what}: {function} returned a {seen['output_type']}, not a tensor",
         )
-        why = mistakes(run, r)
-        for name in NAMES:
-            got = seen[name]
-            require(got is not None, f"{what}: {name} is missing (.grad is None)")
-            if got.dtype.is_floating_point and not bool(got.isfinite().all()):
-                beyond = oracle.max_score > 88 and dtype == torch.float32
-                require(
-                    False,
-                    f"{what}: {name} holds inf or NaN"
-                    + (
-                        f": the scores reach {oracle.max_score:.0f}, and exp overflows float32 "
-                        "beyond 88: subtract the row's running maximum before exp"
-                        if beyond
-                        else ""
-                    ),
-                )
-            check_close(
-                got,
-                oracle.result(name)[:, :, here].to(dtype),
-                f"{what}: {name}",
-                magnitude=oracle.magnitudes[name][:, :, here],
-                terms=oracle.terms,
-                explanations={hint: t.to(dtype) for hint, t in why[name].items()},
-            )
 
-    on_every_rank(run.p, check)
+    def check(r: int, name: str) -> None:
+        got, here = run.out.returned[r][name], run.block(r)
+        require(got is not None, f"{what}: {name} is missing (.grad is None)")
+        if got.dtype.is_floating_point and not bool(got.isfinite().all()):
+            overflow = oracle.max_score > 88 and dtype == torch.float32
+            require(
+                False,
+                f"{what}: {name} holds inf or NaN"
+                + (
+                    f": the scores reach {oracle.max_score:.0f}, and exp overflows float32 "
+                    "beyond 88: subtract the row's running maximum before exp"
+                    if overflow
+                    else ""
+                ),
+            )
+        check_close(
+            got,
+            oracle.result(name)[:, :, here].to(dtype),
+            f"{what}: {name}",
+            magnitude=oracle.magnitudes[name][:, :, here],
+            terms=oracle.terms,
+            explanations={hint: t.to(dtype) for hint, t in why[r][name].items()},
+        )
+
+    on_every_rank(run.p, returned)
+    for name in NAMES:
+        on_every_rank(run.p, lambda r, name=name: check(r, name))
 
 
 def describe(function: str, key: str, p: int) -> str:
