@@ -61,7 +61,7 @@ def write_png(ring: Ring, path: Path, title: str) -> Path:
     import matplotlib.pyplot as plt
 
     ranks, steps = len(ring.cells), max(len(row) for row in ring.cells)
-    figure, axis = plt.subplots(figsize=(max(5.0, 1.4 * steps + 1.5), 1.4 + 0.7 * ranks))
+    figure, axis = plt.subplots(figsize=(max(7.0, 1.6 * steps + 2.0), 1.8 + 0.7 * ranks))
     for rank, row in enumerate(ring.cells):
         for step, cell in enumerate(row):
             color = COLORS[cell.work] if cell.right else WRONG
@@ -79,7 +79,7 @@ def write_png(ring: Ring, path: Path, title: str) -> Path:
         [*names, "wrong block"],
         loc="upper center",
         bbox_to_anchor=(0.5, -0.12),
-        ncol=4,
+        ncol=2,
         fontsize=7,
         frameon=False,
     )
@@ -91,7 +91,7 @@ def write_png(ring: Ring, path: Path, title: str) -> Path:
     )
     figure.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(path, dpi=110)
+    figure.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(figure)
     return path
 

@@ -26,7 +26,8 @@ class Attention:
     dv: Tensor
     magnitudes: dict[str, Tensor]
     terms: int  # how many roundings one element may carry, for check_close
-    max_score: float
+    max_score: float  # the largest |score|
+    row_max: Tensor  # each query row's largest score, [B, H, S, 1]: exp(score) overflows there
 
     def result(self, name: str) -> Tensor:
         return {"output": self.output, "dq": self.dq, "dk": self.dk, "dv": self.dv}[name]
@@ -67,4 +68,5 @@ def attention(
     # A score rounds to about D ulps of its size, and exp turns that absolute error into a
     # relative one of the weight: hence the term in the largest score.
     terms = s + d + d * math.ceil(max_score)
-    return Attention(out.detach(), q.grad, k.grad, v.grad, magnitudes, terms, max_score)
+    row_max = scores.detach().amax(dim=-1, keepdim=True)
+    return Attention(out.detach(), q.grad, k.grad, v.grad, magnitudes, terms, max_score, row_max)
