@@ -105,7 +105,7 @@ def test_no_max_shift_overflows_beyond_88(at_two) -> None:
     for name in wrong:
         message = graded.message(name, 2)
         assert message.startswith(f"rank 0: {name.split('[')[1].split('-')[0]} ("), message
-        assert ": output " in message and "the scores reach " in message, message
+        assert ": output" in message and "the scores reach " in message, message
         assert "exp overflows beyond 88 in float32" in message
         assert "subtract the row's running maximum before exp" in message
 
