@@ -154,3 +154,22 @@ def test_ulysses_wrong_permute_fails_its_results_not_its_messages(at_two) -> Non
         message = graded.message(attention("ulysses_attention", case), 2)
         assert message.startswith("rank 0: ulysses_attention ("), message
         assert ": output: element " in message
+
+
+def test_other_calls_and_layouts_earn_every_point(grade) -> None:
+    """K and V as two messages by isend/irecv; Ulysses by async all_to_all_single, pieces
+    laid out transposed: an honest equivalent, which the checks on content must accept."""
+    graded = grade("cp_other_calls", PART, world_sizes=(3,))
+    expect_only(graded, {})
+    assert sum(t["score"] for t in graded.tests) == sum(t["max_score"] for t in graded.tests)
+    ring = graded.test("ring_attention_communication", 3)["extra_data"]
+    assert ring["forward_blocks"] == [[0, 2], [1, 0], [2, 1]]  # read from K and V apart
+
+
+def test_all_gathered_kv_fails_the_ring_communication_only(grade) -> None:
+    graded = grade("cp_all_gather_kv", PART, k="ring_attention", world_sizes=(2,))
+    expect_only(graded, {("ring_attention_communication", 2): "failed"})
+    assert graded.message("ring_attention_communication", 2).startswith(
+        "rank 0: ring_attention on 2 ranks: it called all_gather: the ring passes the K/V "
+        "blocks with messages only"
+    )
