@@ -11,9 +11,11 @@ rounding bound of the inputs' dtype:
   ``S = 8p``; blocks of one position (``S = p``); scores beyond 88 in float32, where an exp
   without the max shift overflows (the tolerance grows with the largest score).
 - ``causality``: with keys and values changed at every position from t on (t inside a
-  rank's block), the outputs and dq at the positions before t are bit-for-bit unchanged.
+  rank's block), the outputs and dq at the positions before t are bit-for-bit unchanged
+  (and right: a constant output is causal too).
 - ``ring_attention_communication``, ``ulysses_attention_communication``: the broker's record
-  (the rules are in ``grader/testkit/ring.py``); the ring's steps go to
+  (the rules are in ``grader/testkit/ring.py``), after the results, which must be right as
+  everywhere (a message pattern earns nothing with a wrong answer); the ring's steps go to
   ``record.ring``, which the report draws.
 
 A wrong value is explained where a usual mistake accounts for it: the causal mask applied to
@@ -234,6 +236,7 @@ def test_causality(world: World, function: str) -> None:
                 )
 
     on_every_rank(p, check)
+    check_results(a, function, what)  # a constant output is causal too: no points for it
 
 
 @pytest.mark.graded(target="context_parallel.ring_attention", kind="communication")
@@ -242,6 +245,7 @@ def test_ring_attention_communication(world: World, record: TestRecord) -> None:
     result = run(world, "ring_attention", case, "ring messages")
     traffic, p = result.out.traffic, world.size
     record.ring = ring_steps(traffic, result.full, result.n, case.causal)
+    check_results(result, "ring_attention", describe("ring_attention", "ring messages", p))
     problems, figures = ring_messages(traffic, result.full, result.n)
     record.details.update(figures)
 
@@ -256,6 +260,7 @@ def test_ulysses_attention_communication(world: World, record: TestRecord) -> No
     case = Case(torch.float32, False)
     result = run(world, "ulysses_attention", case, "ulysses messages")
     p = world.size
+    check_results(result, "ulysses_attention", describe("ulysses_attention", "messages", p))
     problems, figures = ulysses_messages(result.out.traffic, result.full, result.n)
     record.details.update(figures)
 

@@ -73,12 +73,13 @@ def at_two(grade):
 
 def test_mask_on_every_block_fails_the_causal_ring_only(at_two) -> None:
     graded = at_two("cp_mask_every_block")
-    # Blocks of one position have no triangle: only the longer causal blocks go wrong.
+    # Blocks of one position have no triangle: only the longer causal blocks go wrong, there
+    # and in the tests that run causal blocks of 8 and check the results before the rest.
     wrong = [attention("ring_attention", c) for c in ("float32-causal", "float64-causal")]
+    wrong += ["causality[ring_attention]", "ring_attention_communication"]
     expect_only(graded, {(name, 2): "failed" for name in wrong})
     for name in wrong:
         message = graded.message(name, 2)
-        assert graded.test(name, 2)["extra_data"]["kind"] == "correctness"
         assert message.startswith("rank 1: ring_attention ("), message
         assert ": output: element " in message
         assert "the triangular mask was applied to every block" in message
@@ -86,9 +87,9 @@ def test_mask_on_every_block_fails_the_causal_ring_only(at_two) -> None:
 
 def test_future_blocks_computed_break_causality(at_two) -> None:
     graded = at_two("cp_future_blocks")
-    wrong = [attention("ring_attention", c) for c in CAUSAL] + ["causality[ring_attention]"]
-    expect_only(graded, {(name, 2): "failed" for name in wrong})
-    for name in wrong[:-1]:
+    wrong = [attention("ring_attention", c) for c in CAUSAL] + ["ring_attention_communication"]
+    expect_only(graded, {(name, 2): "failed" for name in [*wrong, "causality[ring_attention]"]})
+    for name in wrong:
         assert "the later ranks' blocks were computed" in graded.message(name, 2)
     probe = graded.message("causality[ring_attention]", 2)
     assert probe.startswith("rank 0: ring_attention (causality probe) on 2 ranks: changing the ")
@@ -114,6 +115,7 @@ def test_backward_with_step0_kv_fails_the_ring_gradients(at_two) -> None:
     graded = at_two("cp_backward_step0_kv")
     failing = {(attention("ring_attention", c), 2): "failed" for c in CASES}
     failing[("causality[ring_attention]", 2)] = "failed"  # its own later keys leak into dq
+    failing[("ring_attention_communication", 2)] = "failed"  # right messages, wrong results
     expect_only(graded, failing)
     for case in CASES:
         message = graded.message(attention("ring_attention", case), 2)
@@ -124,9 +126,11 @@ def test_backward_with_step0_kv_fails_the_ring_gradients(at_two) -> None:
 
 def test_dkv_never_sent_home_fails_dk_with_the_cause(at_two) -> None:
     graded = at_two("cp_dkv_not_sent_home")
-    expect_only(graded, {(attention("ring_attention", c), 2): "failed" for c in CASES})
-    for case in CASES:
-        message = graded.message(attention("ring_attention", case), 2)
+    wrong = [attention("ring_attention", c) for c in CASES]
+    wrong += ["causality[ring_attention]", "ring_attention_communication"]
+    expect_only(graded, {(name, 2): "failed" for name in wrong})
+    for name in wrong:
+        message = graded.message(name, 2)
         assert ": dk: element " in message, message
         assert "the dK/dV partials that the other ranks computed for this block never came " in (
             message
@@ -145,11 +149,14 @@ def test_blocking_ring_deadlocks_named_by_the_broker(grade) -> None:
         assert "context_parallel.py" in message
 
 
-def test_ulysses_wrong_permute_fails_its_results_not_its_messages(at_two) -> None:
+def test_ulysses_wrong_permute_fails_its_results(at_two) -> None:
     graded = at_two("cp_ulysses_wrong_permute")
     failing = {(attention("ulysses_attention", c), 2): "failed" for c in CASES}
     failing[("causality[ulysses_attention]", 2)] = "failed"
-    expect_only(graded, failing)  # what it sends is right: ulysses_attention_communication
+    failing[("ulysses_attention_communication", 2)] = "failed"
+    expect_only(graded, failing)
+    # What it sends is right: the communication test fails on its results, not its messages.
+    assert ": output: element " in graded.message("ulysses_attention_communication", 2)
     for case in CASES:
         message = graded.message(attention("ulysses_attention", case), 2)
         assert message.startswith("rank 0: ulysses_attention ("), message
