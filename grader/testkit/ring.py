@@ -9,7 +9,8 @@ fakes can only move messages from one checked section to the other.
 Ring attention (Liu et al. 2023): rank r sends only to r+1 and receives only from r-1; its
 forward sends exactly p-1 K/V blocks (K and V stacked in one message, or as two), the one
 sent at step s being the one received at step s-1, that is rank (r-s)'s; its backward sends
-at most ``BACKWARD_RATIO`` times the bytes of (p-1) K/V blocks and p dK/dV blocks.
+at most ``ratio`` times the bytes of (p-1) K/V blocks and p dK/dV blocks (grading.yaml's
+``backward_bytes_ratio``).
 Ulysses (Jacobs et al. 2023): all-to-alls only, four in forward and four in backward, each
 sending every peer B (S/p)(H/p) D elements; the forward's carry the rank's q, k and v, the
 backward's the output's gradient, split by heads.
@@ -25,7 +26,6 @@ from torch import Tensor
 from grader.broker.traffic import Event, Traffic
 from grader.judge.verdict import Ring, RingCell, Work
 
-BACKWARD_RATIO = 1.5
 KV = tuple[int, str]  # (owner rank, "KV", "VK", "K" or "V"): what a message holds
 
 
@@ -108,7 +108,7 @@ def ring_steps(traffic: Traffic, full: dict[str, Tensor], n: int, causal: bool) 
 
 
 def ring_messages(
-    traffic: Traffic, full: dict[str, Tensor], n: int
+    traffic: Traffic, full: dict[str, Tensor], n: int, ratio: float
 ) -> tuple[list[str | None], dict[str, Any]]:
     """Each rank's first problem with the ring's messages (None: none), and the figures."""
     p, labels = len(traffic.per_rank), kv_labels(full, n)
@@ -141,11 +141,11 @@ def ring_messages(
             expected = [(r - s) % p for s in range(p - 1)]
             if problem is None and owners != expected:
                 problem = rotation_problem(owners, expected, r, p)
-            if problem is None and sent > BACKWARD_RATIO * bound:
+            if problem is None and sent > ratio * bound:
                 problem = (
                     f"its backward sent {sent} bytes, {sent / bound:.2f}x the {bound} of the "
                     f"{p - 1} K/V blocks and {p} dK/dV blocks ring attention's backward needs "
-                    f"(at most {BACKWARD_RATIO}x)"
+                    f"(at most {ratio:g}x)"
                 )
         problems.append(problem)
     return problems, figures

@@ -240,13 +240,14 @@ def test_causality(world: World, function: str) -> None:
 
 
 @pytest.mark.graded(target="context_parallel.ring_attention", kind="communication")
-def test_ring_attention_communication(world: World, record: TestRecord) -> None:
+def test_ring_attention_communication(world: World, record: TestRecord, options: dict) -> None:
     case = Case(torch.float32, True)
     result = run(world, "ring_attention", case, "ring messages")
     traffic, p = result.out.traffic, world.size
     record.ring = ring_steps(traffic, result.full, result.n, case.causal)
     check_results(result, "ring_attention", describe("ring_attention", "ring messages", p))
-    problems, figures = ring_messages(traffic, result.full, result.n)
+    ratio = float(options["backward_bytes_ratio"])
+    problems, figures = ring_messages(traffic, result.full, result.n, ratio)
     record.details.update(figures)
 
     def check(r: int) -> None:

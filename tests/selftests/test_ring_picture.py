@@ -53,7 +53,7 @@ def test_a_true_rotation_reads_as_the_ring_and_passes() -> None:
     assert all(c.right for row in ring.cells for c in row)
     assert [c.work for c in ring.cells[0]] == [Work.DIAGONAL, Work.SKIPPED, Work.SKIPPED]
     assert [c.work for c in ring.cells[2]] == [Work.DIAGONAL, Work.WHOLE, Work.WHOLE]
-    problems, figures = ring_messages(traffic, full, N)
+    problems, figures = ring_messages(traffic, full, N, 1.5)
     assert problems == [None, None, None]
     assert figures["forward_blocks"] == [[0, 2], [1, 0], [2, 1]]
 
@@ -65,7 +65,7 @@ def test_resending_the_own_block_is_a_wrong_cell_and_a_named_problem(tmp_path: P
     wrong = [(r, s) for r, row in enumerate(ring.cells) for s, c in enumerate(row) if not c.right]
     assert wrong == [(1, 2)]  # rank 1's step 2 holds rank 0's block, not rank 2's
     assert ring.cells[1][2].held == 0 and ring.cells[1][2].expected == 2
-    problems, _ = ring_messages(traffic, full, N)
+    problems, _ = ring_messages(traffic, full, N, 1.5)
     assert problems[0] == (
         "at step 1 it sent rank 0's K/V block; a ring forwards at step 1 the block it "
         "received at step 0, rank 2's"
@@ -83,7 +83,7 @@ def test_a_message_to_a_rank_other_than_the_next_is_named() -> None:
     traffic = record(p, full, [[0, 3, 2], [1, 0, 3], [2, 1, 0], [3, 2, 1]])
     payload = kv(full, 0)
     traffic.per_rank[0].insert(1, Event("send", 2, len(payload), payload=payload))
-    problems, _ = ring_messages(traffic, full, N)
+    problems, _ = ring_messages(traffic, full, N, 1.5)
     assert problems[0] == (
         "rank 0 sent a message to rank 2: a ring sends only to rank 1 and receives only from rank 3"
     )
