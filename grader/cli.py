@@ -181,10 +181,12 @@ def _write(
     run: GradingRun, seconds: float, results_file: Path, config: GradingConfig
 ) -> int | None:
     from grader.report.results import student_summary, to_gradescope, write_results
+    from grader.report.ring import draw_failed_rings
     from grader.report.timeline import draw_failed_schedules
 
     try:
         results = draw_failed_schedules(run.results, results_file.parent)
+        results = draw_failed_rings(results, results_file.parent)
         document = to_gradescope(
             results,
             seconds,

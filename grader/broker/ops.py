@@ -71,12 +71,22 @@ class RankState:
     importing: str = ""
     stack: list[str] | None = None
     buffered: int = 0  # bytes the broker holds for this rank's call (see Limits)
+    recorded: int = 0  # bytes of its payloads kept in the call's record
     posted: int = 0  # operations and marks posted in this call
     broken: bool = False  # broke the protocol in this call: the call is over for it
 
     def start_call(self) -> None:
         self.running, self.outcome, self.stack, self.broken = True, None, None, False
-        self.buffered = self.posted = 0
+        self.buffered = self.posted = self.recorded = 0
+
+    def record(self, size: int, limits: Limits) -> None:
+        """Keep ``size`` more bytes of this rank's payloads in the call's record."""
+        self.recorded += size
+        if self.recorded > limits.recorded_bytes:
+            raise LimitExceeded(
+                f"sent more than {limits.recorded_bytes >> 20} MiB in one call (messages and "
+                "collectives' inputs)"
+            )
 
     def count(self, limits: Limits) -> None:
         """One more operation, wait or mark of this rank's call, within the limit."""
@@ -103,6 +113,7 @@ class Limits:
     buffered_bytes: int = 256 * MiB  # payloads held: its sends not yet received, its results
     operations: int = 20_000  # sends, receives, collectives, waits and marks per call
     frame_bytes: int = 256 * MiB + MiB  # one frame from a rank, read before anything else
+    recorded_bytes: int = 1024 * MiB  # payloads kept in the call's record, for the tests
 
 
 def itemsize(meta: TensorMeta) -> int:

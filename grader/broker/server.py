@@ -181,6 +181,7 @@ class Broker(Connections):
             raise ProtocolError("a send carries exactly one tensor")
         check_payload(op.meta, frame.buffers[0], "a send")
         if self._check_peer(op) and self._hold(state, op, len(frame.buffers[0])):
+            state.record(len(frame.buffers[0]), self.limits)
             op.payload = frame.buffers
             self._queue(self._sends, (op.rank, op.peer, op.tag), op)
 
@@ -223,7 +224,10 @@ class Broker(Connections):
         dtype = inputs[0].dtype if inputs else ""
         # As posted, with the dtype: a bucket flattened in float32 shows here, not only in bytes.
         op.event = len(self.traffic.per_rank[state.rank])
-        self.traffic.per_rank[state.rank].append(Event(name, -1, nbytes, at=op.at, dtype=dtype))
+        state.record(nbytes, self.limits)
+        self.traffic.per_rank[state.rank].append(
+            Event(name, -1, nbytes, at=op.at, dtype=dtype, payload=b"".join(op.payload))
+        )
         sequence = self._sequence[(state.rank, group)]
         self._sequence[(state.rank, group)] += 1
         pending = self._collectives.setdefault((group, sequence), {})
@@ -305,7 +309,13 @@ class Broker(Connections):
         queues[key].append(op)
         op.event = len(self.traffic.per_rank[op.rank])
         self.traffic.per_rank[op.rank].append(
-            Event(op.kind, op.peer, nbytes(op.meta) if op.meta else 0, op.tag)
+            Event(
+                op.kind,
+                op.peer,
+                nbytes(op.meta) if op.meta else 0,
+                op.tag,
+                payload=op.payload[0] if op.payload else b"",
+            )
         )
         sends, recvs = self._sends[key], self._recvs[key]
         while sends and recvs:

@@ -24,6 +24,9 @@ class Event:
     # The broker's clock when it recorded the event (the rank posted the operation): what the
     # schedule pictures draw, never what a verdict rests on.
     posted: float = field(default_factory=monotonic, compare=False)
+    # The bytes a send carried, or a collective's inputs end to end: for tests that check what
+    # a message holds, not only its size. Empty for a receive.
+    payload: bytes | bytearray = field(default=b"", repr=False, compare=False)
 
     def as_dict(self) -> dict[str, Any]:
         return {"op": self.op, "peer": self.peer, "nbytes": self.nbytes, "tag": self.tag}

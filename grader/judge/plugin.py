@@ -144,7 +144,14 @@ class GradingPlugin:
         else:
             verdict = Verdict(protocol.ERROR, "the test did not complete")
         self.on_verdict(
-            test, replace(verdict, details=dict(record.details), schedule=schedule, seconds=seconds)
+            test,
+            replace(
+                verdict,
+                details=dict(record.details),
+                schedule=schedule,
+                ring=record.ring,
+                seconds=seconds,
+            ),
         )
 
     def close(self) -> None:

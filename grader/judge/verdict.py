@@ -6,6 +6,7 @@ from the graded test's result there: nothing a rank says is a verdict.
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,6 +23,44 @@ class Schedule:
     expected: Timeline
 
 
+class Work(enum.Enum):
+    """What a rank of ring attention does with the K/V block it holds at one step."""
+
+    WHOLE = "whole"  # every key is visible: the whole block's scores count
+    DIAGONAL = "diagonal"  # the rank's own block under a causal mask: the triangle only
+    SKIPPED = "skipped"  # causal, and every key is in the future: passed on, not computed
+
+    @property
+    def symbol(self) -> str:
+        return {"whole": "", "diagonal": "tri", "skipped": "skip"}[self.value]
+
+
+@dataclass(frozen=True)
+class RingCell:
+    """One rank at one step of the ring: whose block it held, by the broker, and the rule's."""
+
+    held: int | None  # the owner of the block the broker carried here (None: none arrived)
+    expected: int  # the owner of the block a ring hands this rank at this step
+    work: Work  # what the rank does with the expected block
+
+    @property
+    def right(self) -> bool:
+        return self.held == self.expected
+
+    @property
+    def text(self) -> str:
+        held = "?" if self.held is None else f"KV{self.held}"
+        return f"{held} {self.work.symbol}".strip()
+
+
+@dataclass(frozen=True)
+class Ring:
+    """Ring attention's forward, rank by rank (rows) and step by step (columns)."""
+
+    cells: list[list[RingCell]]
+    causal: bool
+
+
 @dataclass(frozen=True)
 class Verdict:
     outcome: str
@@ -29,6 +68,7 @@ class Verdict:
     fraction: float | None = None  # partial credit of a cost test, in [0, 1]
     details: dict[str, Any] = field(default_factory=dict)  # figures for results.json
     schedule: Schedule | None = None
+    ring: Ring | None = None
     seconds: float = 0.0
 
     @property

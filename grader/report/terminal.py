@@ -13,6 +13,7 @@ from rich.text import Text
 from grader.catalog import GradedTest
 from grader.judge.verdict import Verdict
 from grader.protocol import clean
+from grader.report import ring
 from grader.report.results import GradedResult
 from grader.report.summary import (
     LEGEND,
@@ -128,6 +129,8 @@ def _print_fixes(console: Console, part: str, results: list[GradedResult], verbo
         drawn = timelines_of(result.verdict)
         if drawn:
             console.print(terminal_table(*drawn, title="  schedule (F = forward, B = backward)"))
+        if result.verdict.ring is not None:
+            console.print(ring.terminal_table(result.verdict.ring, title="  the ring's steps"))
     if fixes.hidden:
         console.print(f"  [dim]{escape(fixes.summary_line())}[/]", **wrap)
     console.print()

@@ -11,6 +11,7 @@ A graded test runs in the grader's own process and drives the ranks::
 
 from grader import failures
 from grader.broker.traffic import Event, Traffic
+from grader.judge.verdict import Ring, RingCell, Work
 from grader.launch.world import CallResult, World
 from grader.testkit.compare import check_close, check_unchanged, on_every_rank, require
 from grader.testkit.data import generator, rank_tensor
@@ -21,8 +22,11 @@ from grader.testkit.timing import stage_timing
 __all__ = [
     "CallResult",
     "Event",
+    "Ring",
+    "RingCell",
     "TestRecord",
     "Traffic",
+    "Work",
     "World",
     "check_close",
     "check_informed",

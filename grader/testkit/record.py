@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from grader.judge.verdict import Ring
+
 
 class PartialCredit(AssertionError):
     """The test earned part of its points; the message says what the rest needs."""
@@ -16,6 +18,7 @@ class TestRecord:
     fraction: float | None = None
     message: str = ""  # shown even when the test passed (a cost test's table)
     schedule: tuple[list[list[str]], list[list[str]]] | None = None  # (actual, expected)
+    ring: Ring | None = None  # ring attention's steps, from the broker's record
 
     def credit(self, fraction: float, message: str) -> None:
         """Award ``fraction`` of the points: full credit passes, less fails with ``message``."""

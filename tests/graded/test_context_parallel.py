@@ -1,0 +1,271 @@
+"""Graded tests of ``assignments/context_parallel.py``: ring attention and DeepSpeed-Ulysses.
+
+The whole sequence's q, k, v (``[B, H, S, D]``) and the output's upstream gradient are
+drawn here from the secret seed; rank r gets positions ``[r*S/p, (r+1)*S/p)`` of each, runs
+the submission's function forward and backward (``grader/scenarios/context_parallel.py``)
+and sends back its output block and dq, dk, dv, which are compared with one-process
+attention over the whole sequence, in float64 (``grader.testkit.attention``), within the
+rounding bound of the inputs' dtype:
+
+- ``ring_attention``, ``ulysses_attention``: float32 and float64 inputs, causal and not,
+  ``S = 8p``; blocks of one position (``S = p``); scores beyond 88 in float32, where an exp
+  without the max shift overflows (the tolerance grows with the largest score).
+- ``causality``: with keys and values changed at every position from t on (t inside a
+  rank's block), the outputs and dq at the positions before t are bit-for-bit unchanged
+  (and right: a constant output is causal too).
+- ``ring_attention_communication``, ``ulysses_attention_communication``: the broker's record
+  (the rules are in ``grader/testkit/ring.py``), after the results, which must be right as
+  everywhere (a message pattern earns nothing with a wrong answer); the ring's steps go to
+  ``record.ring``, which the report draws.
+
+A wrong value is explained where a usual mistake accounts for it: the causal mask applied to
+every block, the future blocks computed, the dK/dV partials never sent home, an exp that
+overflowed.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import pytest
+import torch
+from torch import Tensor
+
+from grader.testkit import (
+    CallResult,
+    TestRecord,
+    World,
+    check_close,
+    on_every_rank,
+    rank_tensor,
+    require,
+)
+from grader.testkit.attention import Attention, attention
+from grader.testkit.ring import ring_messages, ring_steps, ulysses_messages
+
+B, H, D = 2, 12, 4  # H divisible by 1, 2, 3 and 4: Ulysses splits the heads
+FUNCTIONS = ["ring_attention", "ulysses_attention"]
+NAMES = ("output", "dq", "dk", "dv")
+# Where exp(score) overflows: the log of the dtype's largest value (88.7 for float32).
+EXP_LIMIT = {dtype: math.log(torch.finfo(dtype).max) for dtype in (torch.float32, torch.float64)}
+OVERFLOW = (
+    "the scores reach {:.0f}, and exp overflows beyond 88 in float32 (709 in float64): "
+    "subtract the row's running maximum before exp"
+)
+
+
+@dataclass(frozen=True)
+class Case:
+    dtype: torch.dtype
+    causal: bool
+    per_rank: int = 8  # positions per rank: S = per_rank * p
+    spread: float = 1.0  # scale of q and k: 8 puts the largest scores beyond 200
+
+
+CASES = {
+    "float32": Case(torch.float32, False),
+    "float32-causal": Case(torch.float32, True),
+    "float64": Case(torch.float64, False),
+    "float64-causal": Case(torch.float64, True),
+    "one-position-blocks-causal": Case(torch.float32, True, per_rank=1),
+    "scores-beyond-88": Case(torch.float32, False, spread=8.0),
+}
+
+
+@dataclass
+class Run:
+    """One call on every rank and what the trusted side knows of it."""
+
+    p: int
+    n: int  # positions per rank
+    case: Case
+    full: dict[str, Tensor]  # q, k, v, grad over the whole sequence, in the case's dtype
+    out: CallResult
+    oracle: Attention
+
+    def block(self, r: int) -> slice:
+        return slice(r * self.n, (r + 1) * self.n)
+
+
+def draw(key: str, p: int, case: Case) -> dict[str, Tensor]:
+    s = case.per_rank * p
+    full = {
+        name: rank_tensor(f"cp/{key}/{p}/{name}", 0, (B, H, s, D), torch.float64)
+        for name in ("q", "k", "v", "grad")
+    }
+    full["q"], full["k"] = full["q"] * case.spread, full["k"] * case.spread
+    return {name: t.to(case.dtype) for name, t in full.items()}
+
+
+def run(world: World, function: str, case: Case, key: str, full: dict | None = None) -> Run:
+    p, n = world.size, case.per_rank
+    full = full if full is not None else draw(key, p, case)
+
+    def mine(name: str, r: int) -> Tensor:
+        return full[name][:, :, r * n : (r + 1) * n].contiguous()
+
+    args = [
+        (function, mine("q", r), mine("k", r), mine("v", r), case.causal, mine("grad", r))
+        for r in range(p)
+    ]
+    out = world.call(scenario="context_parallel.attention", args=args, case=key)
+    oracle = attention(full["q"], full["k"], full["v"], full["grad"], case.causal)
+    return Run(p, n, case, full, out, oracle)
+
+
+def mistakes(run: Run, r: int) -> dict[str, dict[str, Tensor]]:
+    """What each result of rank r would be after a usual mistake, by the hint."""
+    p, n, full, here = run.p, run.n, run.full, run.block(r)
+    s = p * n
+    blocks = torch.arange(s) // n
+    local = torch.arange(s) % n
+    same, before = blocks[:, None] == blocks[None, :], blocks[:, None] > blocks[None, :]
+    why: dict[str, dict[str, Tensor]] = {name: {} for name in NAMES}
+    if run.case.causal and p > 1:
+        every = (before | same) & (local[:, None] >= local[None, :])
+        future = ~same | (local[:, None] >= local[None, :])
+        for allowed, hint in (
+            (
+                every,
+                "the triangular mask was applied to every block: only the diagonal block "
+                "(the rank's own keys) is masked, earlier blocks count whole",
+            ),
+            (
+                future,
+                "the later ranks' blocks were computed: in causal attention their keys "
+                "are all in the future; skip them (and pass them on)",
+            ),
+        ):
+            wrong = attention(full["q"], full["k"], full["v"], full["grad"], True, allowed)
+            for name in NAMES:
+                why[name][hint] = wrong.result(name)[:, :, here]
+    if p > 1:
+        own = torch.zeros_like(full["grad"])
+        own[:, :, here] = full["grad"][:, :, here]
+        alone = attention(full["q"], full["k"], full["v"], own, run.case.causal)
+        for name in ("dk", "dv"):
+            why[name][
+                "only this rank's own queries' share: the dK/dV partials that the other ranks "
+                "computed for this block never came back; they travel with the block and make "
+                "one more hop home after the last step"
+            ] = alone.result(name)[:, :, here]
+    return why
+
+
+def check_results(run: Run, function: str, what: str) -> None:
+    """The output on every rank first, then dq, dk, dv: the forward's mistake is named first."""
+    oracle, dtype = run.oracle, run.case.dtype
+    why = [mistakes(run, r) for r in range(run.p)]
+
+    def returned(r: int) -> None:
+        seen = run.out.returned[r]
+        require(
+            seen["output"] is not None,
+            f"{what}: {function} returned a {seen['output_type']}, not a tensor",
+        )
+
+    def check(r: int, name: str) -> None:
+        got, here = run.out.returned[r][name], run.block(r)
+        require(got is not None, f"{what}: {name} is missing (.grad is None)")
+        want = oracle.result(name)[:, :, here].to(dtype)
+        explanations = {hint: t.to(dtype) for hint, t in why[r][name].items()}
+        overflows = oracle.row_max[:, :, here] > EXP_LIMIT[dtype]
+        if got.dtype.is_floating_point and not bool(got.isfinite().all()):
+            cause = OVERFLOW.format(oracle.max_score) if bool(overflows.any()) else ""
+            require(False, f"{what}: {name} holds inf or NaN" + (f": {cause}" if cause else ""))
+        if name == "output" and bool(overflows.any()):
+            # Wrong only in the rows whose scores pass exp's limit: the overflow explains it.
+            explanations[OVERFLOW.format(oracle.max_score)] = torch.where(overflows, got, want)
+        check_close(
+            got,
+            want,
+            f"{what}: {name}",
+            magnitude=oracle.magnitudes[name][:, :, here],
+            terms=oracle.terms,
+            explanations=explanations,
+        )
+
+    on_every_rank(run.p, returned)
+    for name in NAMES:
+        on_every_rank(run.p, lambda r, name=name: check(r, name))
+
+
+def describe(function: str, key: str, p: int) -> str:
+    return f"{function} ({key}) on {p} rank{'s' * (p > 1)}"
+
+
+@pytest.mark.graded(target="context_parallel.{function}", kind="correctness")
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("function", FUNCTIONS)
+def test_attention(world: World, record: TestRecord, function: str, case: str) -> None:
+    result = run(world, function, CASES[case], case)
+    if function == "ring_attention":
+        record.ring = ring_steps(result.out.traffic, result.full, result.n, result.case.causal)
+    check_results(result, function, describe(function, case, world.size))
+
+
+@pytest.mark.graded(target="context_parallel.{function}", kind="correctness")
+@pytest.mark.parametrize("function", FUNCTIONS)
+def test_causality(world: World, function: str) -> None:
+    """Later keys and values change; earlier outputs and their dq must not, to the bit."""
+    p, case = world.size, Case(torch.float32, True)
+    n, what = case.per_rank, describe(function, "causality probe", p)
+    first = draw("probe", p, case)
+    t = (p // 2) * n + n // 2  # inside a rank's block: the diagonal mask matters
+    changed = dict(first)
+    for name in ("k", "v"):
+        later = rank_tensor(f"cp/probe/{p}/{name}/later", 0, first[name].shape, case.dtype)
+        changed[name] = torch.cat([first[name][:, :, :t], later[:, :, t:]], dim=2)
+    a = run(world, function, case, "probe", first)
+    b = run(world, function, case, "probe, later keys changed", changed)
+
+    def check(r: int) -> None:
+        here = range(r * n, min((r + 1) * n, t))
+        for name in ("output", "dq"):
+            x, y = a.out.returned[r][name], b.out.returned[r][name]
+            require(x is not None and y is not None, f"{what}: {name} is missing")
+            for i in here:
+                local = i - r * n
+                require(
+                    torch.equal(x[:, :, local], y[:, :, local]),
+                    f"{what}: changing the keys and values at positions {t} and later changed "
+                    f"{name} at position {i} (rank {r}'s position {local}): in causal attention "
+                    "a query sees no key after it; skip the later blocks and mask the diagonal "
+                    "one",
+                )
+
+    on_every_rank(p, check)
+    check_results(a, function, what)  # a constant output is causal too: no points for it
+
+
+@pytest.mark.graded(target="context_parallel.ring_attention", kind="communication")
+def test_ring_attention_communication(world: World, record: TestRecord, options: dict) -> None:
+    case = Case(torch.float32, True)
+    result = run(world, "ring_attention", case, "ring messages")
+    traffic, p = result.out.traffic, world.size
+    record.ring = ring_steps(traffic, result.full, result.n, case.causal)
+    check_results(result, "ring_attention", describe("ring_attention", "ring messages", p))
+    ratio = float(options["backward_bytes_ratio"])
+    problems, figures = ring_messages(traffic, result.full, result.n, ratio)
+    record.details.update(figures)
+
+    def check(r: int) -> None:
+        require(problems[r] is None, f"ring_attention on {p} ranks: {problems[r]}")
+
+    on_every_rank(p, check)
+
+
+@pytest.mark.graded(target="context_parallel.ulysses_attention", kind="communication")
+def test_ulysses_attention_communication(world: World, record: TestRecord) -> None:
+    case = Case(torch.float32, False)
+    result = run(world, "ulysses_attention", case, "ulysses messages")
+    p = world.size
+    check_results(result, "ulysses_attention", describe("ulysses_attention", "messages", p))
+    problems, figures = ulysses_messages(result.out.traffic, result.full, result.n)
+    record.details.update(figures)
+
+    def check(r: int) -> None:
+        require(problems[r] is None, f"ulysses_attention on {p} ranks: {problems[r]}")
+
+    on_every_rank(p, check)

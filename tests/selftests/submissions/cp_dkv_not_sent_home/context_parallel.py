@@ -1,0 +1,42 @@
+"""Ring attention whose backward keeps each block's dK/dV where it was computed: every rank
+returns only its own queries' share of its dk and dv, and the other ranks' shares, computed
+for blocks they held, are dropped. The forward and dq are right.
+"""
+
+import torch
+import torch.distributed as dist
+
+from reference import context_parallel as R
+from reference.context_parallel import *  # noqa: F403
+
+
+class _LocalBackward(R._RingAttention):
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, out, lse = ctx.saved_tensors
+        p, r = dist.get_world_size(ctx.group), dist.get_rank(ctx.group)
+        acc = R._accumulation_dtype(q.dtype)
+        q_acc, d_out = q.to(acc), grad_out.to(acc)
+        delta = (d_out * out).sum(dim=-1, keepdim=True)
+        dq = torch.zeros_like(q_acc)
+        kv = torch.stack([k, v])
+        dkv = torch.zeros(kv.shape, dtype=acc)
+        for step in range(p):
+            owner = (r - step) % p
+            if step < p - 1:
+                next_kv, kv_works = R._pass_on(kv, ctx.group)
+            compute, diagonal = R._work_on(owner, r, ctx.causal)
+            if compute:
+                k_block, v_block = kv[0].to(acc), kv[1].to(acc)
+                grads = R._block_gradients(q_acc, k_block, v_block, d_out, lse, delta, diagonal)
+                dq += grads[0]
+                if owner == r:  # the bug: the shares for the other ranks' blocks are dropped
+                    dkv = dkv + torch.stack(grads[1:])
+            if step < p - 1:
+                R._wait(kv_works)
+                kv = next_kv
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None
+
+
+def ring_attention(q, k, v, causal, group=None):
+    return _LocalBackward.apply(q, k, v, causal, group)

@@ -1,0 +1,182 @@
+"""Verdicts of the context_parallel graded tests on the reference, stubs and broken submissions.
+
+Each broken submission (``submissions/cp_*``) fails in one way; the tests assert the verdict
+a careful TA would give (outcome, kind, the cause named in the message) and that every other
+test of that submission still passes. One grader run per submission, at world size 2 (and 1
+where one rank behaves differently), shared by the tests of that submission.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+PART = "context_parallel"
+FUNCTIONS = ("ring_attention", "ulysses_attention")
+CASES = (
+    "float32",
+    "float32-causal",
+    "float64",
+    "float64-causal",
+    "one-position-blocks-causal",
+    "scores-beyond-88",
+)
+CAUSAL = ("float32-causal", "float64-causal", "one-position-blocks-causal")
+
+
+def attention(function: str, case: str) -> str:
+    return f"attention[{function}-{case}]"
+
+
+def expect_only(graded, failing: dict[tuple[str, int], str]) -> None:
+    """Every test of the part passed but those in ``failing``, which had that outcome."""
+    outcomes = graded.outcomes()
+    assert outcomes, graded.stdout + graded.stderr
+    for key, outcome in outcomes.items():
+        assert outcome == failing.get(key, "passed"), (key, outcome, graded.stdout)
+    assert set(failing) <= set(outcomes), set(failing) - set(outcomes)
+
+
+def test_reference_earns_every_point(grade) -> None:
+    graded = grade("reference")  # every part, shared with the other files' tests
+    assert graded.returncode == 0, graded.stdout + graded.stderr
+    mine = [t for t in graded.tests if t["extra_data"]["part"] == PART]
+    assert len(mine) == (2 * 6 + 2) * 4 + 2 * 3
+    assert {t["extra_data"]["outcome"] for t in mine} == {"passed"}
+    assert sum(t["score"] for t in mine) == sum(t["max_score"] for t in mine) == 11
+    ring = graded.test("ring_attention_communication", 4, PART)["extra_data"]
+    # The broker's record: rank r forwarded its own block, then r-1's, then r-2's.
+    assert ring["forward_blocks"] == [[0, 3, 2], [1, 0, 3], [2, 1, 0], [3, 2, 1]]
+    assert ring["backward_bytes"] == [ring["backward_bound"]] * 4
+    ulysses = graded.test("ulysses_attention_communication", 4, PART)["extra_data"]
+    assert ulysses["forward_all_to_alls"] == ulysses["backward_all_to_alls"] == [4] * 4
+
+
+def test_stubs_earn_nothing_and_name_every_target(grade) -> None:
+    graded = grade("stubs")  # every part, shared with the other files' tests
+    mine = [t for t in graded.tests if t["extra_data"]["part"] == PART]
+    assert len(mine) == 62
+    for test in mine:
+        assert test["extra_data"]["outcome"] == "failed", test["name"]
+        assert test["score"] == 0
+        target = test["extra_data"]["target"].split(".", 1)[1]
+        assert test["output"].startswith(
+            f"not implemented yet: {target} raises NotImplementedError"
+        ), test["output"]
+    assert {t["extra_data"]["target"] for t in mine} == {f"{PART}.{f}" for f in FUNCTIONS}
+
+
+@pytest.fixture(scope="module")
+def at_two(grade):
+    """``at_two(name)``: one grader run of the broken submission, the whole part at p = 2."""
+    return lambda name: grade(name, PART, world_sizes=(2,))
+
+
+def test_mask_on_every_block_fails_the_causal_ring_only(at_two) -> None:
+    graded = at_two("cp_mask_every_block")
+    # Blocks of one position have no triangle: only the longer causal blocks go wrong, there
+    # and in the tests that run causal blocks of 8 and check the results before the rest.
+    wrong = [attention("ring_attention", c) for c in ("float32-causal", "float64-causal")]
+    wrong += ["causality[ring_attention]", "ring_attention_communication"]
+    expect_only(graded, {(name, 2): "failed" for name in wrong})
+    for name in wrong:
+        message = graded.message(name, 2)
+        assert message.startswith("rank 1: ring_attention ("), message
+        assert ": output: element " in message
+        assert "the triangular mask was applied to every block" in message
+
+
+def test_future_blocks_computed_break_causality(at_two) -> None:
+    graded = at_two("cp_future_blocks")
+    wrong = [attention("ring_attention", c) for c in CAUSAL] + ["ring_attention_communication"]
+    expect_only(graded, {(name, 2): "failed" for name in [*wrong, "causality[ring_attention]"]})
+    for name in wrong:
+        assert "the later ranks' blocks were computed" in graded.message(name, 2)
+    probe = graded.message("causality[ring_attention]", 2)
+    assert probe.startswith("rank 0: ring_attention (causality probe) on 2 ranks: changing the ")
+    assert "changed output at position 0" in probe
+    # The picture: rank 0's step 1 holds rank 1's block, which the rule skips.
+    assert "the ring's steps drawn in ring-context_parallel-" in graded.message(wrong[0], 2)
+    assert "KV1 skip" in graded.stdout
+
+
+def test_no_max_shift_overflows_beyond_88(at_two) -> None:
+    graded = at_two("cp_no_max_shift")
+    wrong = [attention(f, "scores-beyond-88") for f in FUNCTIONS]
+    expect_only(graded, {(name, 2): "failed" for name in wrong})
+    for name in wrong:
+        message = graded.message(name, 2)
+        assert message.startswith(f"rank 0: {name.split('[')[1].split('-')[0]} ("), message
+        assert ": output" in message and "the scores reach " in message, message
+        assert "exp overflows beyond 88 in float32" in message
+        assert "subtract the row's running maximum before exp" in message
+
+
+def test_backward_with_step0_kv_fails_the_ring_gradients(at_two) -> None:
+    graded = at_two("cp_backward_step0_kv")
+    failing = {(attention("ring_attention", c), 2): "failed" for c in CASES}
+    failing[("causality[ring_attention]", 2)] = "failed"  # its own later keys leak into dq
+    failing[("ring_attention_communication", 2)] = "failed"  # right messages, wrong results
+    expect_only(graded, failing)
+    for case in CASES:
+        message = graded.message(attention("ring_attention", case), 2)
+        assert ": output: " not in message  # the forward is right
+        assert ": dq: element " in message or ": dk: element " in message, message
+    assert "changed dq at position" in graded.message("causality[ring_attention]", 2)
+
+
+def test_dkv_never_sent_home_fails_dk_with_the_cause(at_two) -> None:
+    graded = at_two("cp_dkv_not_sent_home")
+    wrong = [attention("ring_attention", c) for c in CASES]
+    wrong += ["causality[ring_attention]", "ring_attention_communication"]
+    expect_only(graded, {(name, 2): "failed" for name in wrong})
+    for name in wrong:
+        message = graded.message(name, 2)
+        assert ": dk: element " in message, message
+        assert "the dK/dV partials that the other ranks computed for this block never came " in (
+            message
+        )
+
+
+def test_blocking_ring_deadlocks_named_by_the_broker(grade) -> None:
+    graded = grade("cp_blocking_ring", PART, world_sizes=(1, 2))
+    ring = [attention("ring_attention", c) for c in CASES] + ["causality[ring_attention]"]
+    ring.append("ring_attention_communication")
+    expect_only(graded, {(name, 2): "timeout" for name in ring})  # one rank sends nothing
+    for name in ring:
+        message = graded.message(name, 2)
+        assert message.startswith("deadlock: rank 0 waits in send to rank 1 at "), message
+        assert " while rank 1 waits in send to rank 0 at " in message
+        assert "context_parallel.py" in message
+
+
+def test_ulysses_wrong_permute_fails_its_results(at_two) -> None:
+    graded = at_two("cp_ulysses_wrong_permute")
+    failing = {(attention("ulysses_attention", c), 2): "failed" for c in CASES}
+    failing[("causality[ulysses_attention]", 2)] = "failed"
+    failing[("ulysses_attention_communication", 2)] = "failed"
+    expect_only(graded, failing)
+    # What it sends is right: the communication test fails on its results, not its messages.
+    assert ": output: element " in graded.message("ulysses_attention_communication", 2)
+    for case in CASES:
+        message = graded.message(attention("ulysses_attention", case), 2)
+        assert message.startswith("rank 0: ulysses_attention ("), message
+        assert ": output: element " in message
+
+
+def test_other_calls_and_layouts_earn_every_point(grade) -> None:
+    """K and V as two messages by isend/irecv; Ulysses by async all_to_all_single, pieces
+    laid out transposed: an honest equivalent, which the checks on content must accept."""
+    graded = grade("cp_other_calls", PART, world_sizes=(3,))
+    expect_only(graded, {})
+    assert sum(t["score"] for t in graded.tests) == sum(t["max_score"] for t in graded.tests)
+    ring = graded.test("ring_attention_communication", 3)["extra_data"]
+    assert ring["forward_blocks"] == [[0, 2], [1, 0], [2, 1]]  # read from K and V apart
+
+
+def test_all_gathered_kv_fails_the_ring_communication_only(grade) -> None:
+    graded = grade("cp_all_gather_kv", PART, k="ring_attention", world_sizes=(2,))
+    expect_only(graded, {("ring_attention_communication", 2): "failed"})
+    assert graded.message("ring_attention_communication", 2).startswith(
+        "rank 0: ring_attention on 2 ranks: it called all_gather: the ring passes the K/V "
+        "blocks with messages only"
+    )
