@@ -247,7 +247,16 @@ STRATEGY_CLAIMS = [
     ),
 ]
 
-CLAIMS = COLLECTIVES_CLAIMS + STRATEGY_CLAIMS
+NEW_PART_CLAIMS = [
+    Claim(
+        "context_parallel.py",
+        "module",
+        r"its backward moves at most (\S+)x the bytes",
+        option("context_parallel", "ring_attention_communication", "backward_bytes_ratio"),
+    ),
+]
+
+CLAIMS = COLLECTIVES_CLAIMS + STRATEGY_CLAIMS + NEW_PART_CLAIMS
 
 
 def docstrings(path: Path) -> dict[str, str]:
