@@ -40,6 +40,7 @@ from torch import Tensor
 from grader.scenarios.tensor_parallel import linear
 from grader.testkit import (
     CallResult,
+    Event,
     TestRecord,
     World,
     check_close,
@@ -367,6 +368,11 @@ WHY_ONCE = {
 
 
 def phase_operations(out: CallResult, rank: int) -> dict[str, Counter]:
+    """How many of each operation the broker carried for ``rank`` in each phase."""
+    return {phase: Counter(e.op for e in made) for phase, made in phase_events(out, rank).items()}
+
+
+def phase_events(out: CallResult, rank: int) -> dict[str, list[Event]]:
     """The operations the broker carried for ``rank`` in the MLP's forward and its backward.
 
     The operations, their names and their count are the broker's own record (trusted);
@@ -381,15 +387,32 @@ def phase_operations(out: CallResult, rank: int) -> dict[str, Counter]:
     )
     phases = {"forward": (at["forward"], at["backward"]), "backward": (at["backward"], at["end"])}
     return {
-        phase: Counter(e.op for e in events[start + 1 : stop] if e.op != "mark")
+        phase: [e for e in events[start + 1 : stop] if e.op != "mark"]
         for phase, (start, stop) in phases.items()
     }
+
+
+def partial_sums(full: dict[str, Tensor], x: Tensor, grad: Tensor, p: int, r: int) -> dict:
+    """What rank ``r``'s all-reduce carries in each phase, in float64: its partial output (fc2
+    applied to its shard of the hidden layer) forward, its partial input gradient backward."""
+    w1, b1, w2 = (full[k].double() for k in ("w1", "b1", "w2"))
+    rows = slice(r * FFN // p, (r + 1) * FFN // p)
+    h = (x.double() @ w1[rows].T + b1[rows]).requires_grad_()
+    a = F.gelu(h)
+    a.backward(grad.double() @ w2[:, rows])
+    return {"forward": a.detach() @ w2[:, rows].T, "backward": h.grad @ w1[rows]}
+
+
+def carried(event: Event) -> Tensor:
+    """The tensor a collective's input carried, as the broker received it."""
+    dtype = getattr(torch, event.dtype or "float32")
+    return torch.frombuffer(bytearray(event.payload), dtype=dtype).double()
 
 
 @pytest.mark.graded(target="tensor_parallel.ParallelMLP", kind="communication")
 def test_parallel_mlp_communication(world: World, record: TestRecord) -> None:
     p = world.size
-    *_, out = mlp_call(world)
+    full, x, grad, out = mlp_call(world)
     record.details["all_reduces"] = [
         len(out.traffic.collectives(r, "all_reduce")) for r in range(p)
     ]
@@ -404,6 +427,24 @@ def test_parallel_mlp_communication(world: World, record: TestRecord) -> None:
                 made == Counter(all_reduce=1),
                 f"ParallelMLP on {p} ranks: its {phase} made {listed or 'no communication'}; "
                 f"Megatron's MLP communicates exactly once in {phase}: {WHY_ONCE[phase]}",
+            )
+        # An all-reduce of the right count is not enough: it must carry the rank's partial sum.
+        want = partial_sums(full, x, grad, p, r)
+        for phase, (event,) in phase_events(out, r).items():
+            got, expected = carried(event), want[phase]
+            # fc2's bias added before the reduction is a wrong output, judged by test_parallel_mlp:
+            # the communication itself is right.
+            biased = expected + full["b2"].double() if phase == "forward" else expected
+            require(
+                any(
+                    got.shape == w.reshape(-1).shape
+                    and torch.allclose(got, w.reshape(-1), 1e-4, 1e-5)
+                    for w in (expected, biased)
+                ),
+                f"ParallelMLP on {p} ranks: its {phase} all-reduce carried something other than "
+                f"this rank's partial {'output' if phase == 'forward' else 'input gradient'} "
+                f"({WHY_ONCE[phase]}): each rank reduces the partial sum it computed from its "
+                "own shards, the only thing the other ranks lack",
             )
 
     on_every_rank(p, check)

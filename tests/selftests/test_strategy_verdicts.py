@@ -304,3 +304,12 @@ def test_bias_on_every_rank_fails_row_parallel_and_mlp_outputs(grade) -> None:
     assert "(fc2's bias is added on every rank before the reduction: the output is off by " in (
         message
     )
+
+
+def test_a_decoy_all_reduce_of_the_right_size_earns_no_communication_points(grade) -> None:
+    """The whole MLP on every rank, and one all-reduce of zeros each way: the count and the
+    bytes are right, what they carry is not (issue: operations counted by name and size)."""
+    graded = grade("tp_mlp_decoy", TP, k="parallel_mlp", world_sizes=(2,))
+    test = graded.test("parallel_mlp_communication", 2, TP)
+    assert test["score"] == 0, test["output"]
+    assert "all-reduce carried something other than this rank's partial output" in test["output"]
