@@ -20,6 +20,7 @@ Rank to broker::
     failure    {call, error}                           the call raised
     stack      {frames}                                answer to dump_stack
     mark       {label}                                 a scenario's point in the trace
+    gate       {op, label}                             a scenario's gate: answered when it opens
 
 Broker to rank::
 
@@ -73,6 +74,7 @@ RESULT = "result"
 FAILURE = "failure"
 STACK = "stack"
 MARK = "mark"
+GATE = "gate"
 # Frame types, broker to rank.
 CALL = "call"
 DONE = "done"

@@ -30,6 +30,39 @@ class Returned:
     rebound: tuple[str, ...] = ()
 
 
+@dataclass(frozen=True)
+class Gate:
+    """A point in a scenario that the rank must pass through the broker, and what it must have
+    sent before it.
+
+    The scenario cannot go on without ``secret`` (its result would be wrong), so the point is
+    where the scenario's code really is, not where a mark says. The broker hands the secret
+    over at once and records whether one of the rank's all-reduces since the previous gate
+    carried every value of ``needs`` (as they are, or divided by the group's size): a causal
+    fact, from checked payloads, that no mark, clock or order a rank reports can forge.
+    """
+
+    label: str
+    secret: bytes  # the payload the gate's answer carries
+    needs: tuple[float, ...] = ()  # nothing needed: always open
+
+    def opened_by(self, event: Any, group_size: int) -> bool:
+        if not self.needs:
+            return True
+        if event.op != "all_reduce" or not event.payload or len(event.payload) > 1 << 24:
+            return False
+        dtype = wire.DTYPES.get(event.dtype, torch.float32)
+        if len(event.payload) % torch.empty((), dtype=dtype).element_size():
+            return False
+        carried = torch.frombuffer(bytearray(event.payload), dtype=dtype).double()
+        needs = torch.tensor(self.needs, dtype=torch.float64)
+        for wanted in (needs, needs / group_size):
+            gap = (carried[None, :] - wanted[:, None]).abs().amin(dim=1)
+            if bool((gap <= 1e-5 * wanted.abs() + 1e-12).all()):  # float32 buckets too
+                return True
+        return False
+
+
 @dataclass
 class Op:
     """One operation a rank posted: a send, a receive or its part of a collective."""
@@ -70,14 +103,17 @@ class RankState:
     outcome: Returned | RankError | None = None
     importing: str = ""
     stack: list[str] | None = None
+    gates: list[Gate] = field(default_factory=list)  # this call's, in the order they come
+    gate_from: int = 0  # the first of its events that may open the next gate
     buffered: int = 0  # bytes the broker holds for this rank's call (see Limits)
     recorded: int = 0  # bytes of its payloads kept in the call's record
     posted: int = 0  # operations and marks posted in this call
     broken: bool = False  # broke the protocol in this call: the call is over for it
 
-    def start_call(self) -> None:
+    def start_call(self, gates: list[Gate]) -> None:
         self.running, self.outcome, self.stack, self.broken = True, None, None, False
-        self.buffered = self.posted = self.recorded = 0
+        self.buffered = self.posted = self.recorded = self.gate_from = 0
+        self.gates = list(gates)
 
     def record(self, size: int, limits: Limits) -> None:
         """Keep ``size`` more bytes of this rank's payloads in the call's record."""

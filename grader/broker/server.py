@@ -38,6 +38,7 @@ from grader import protocol, wire
 from grader.broker import collectives, faults
 from grader.broker.connections import Connections
 from grader.broker.ops import (
+    Gate,
     LimitExceeded,
     Limits,
     Op,
@@ -47,7 +48,7 @@ from grader.broker.ops import (
     check_payload,
     nbytes,
 )
-from grader.broker.traffic import Event, Traffic, Wait
+from grader.broker.traffic import Event, GatePass, Traffic, Wait
 from grader.failures import Fault
 from grader.protocol import ProtocolError, RankError, RankExit, TensorMeta, clean, field_int
 from grader.wire import Frame
@@ -70,14 +71,17 @@ class Broker(Connections):
         with self._cv:
             return [r.rank for r in self._ranks if r.broken]
 
-    def start_call(self, frames: list[Frame], forbid_collectives: bool) -> None:
-        """Send rank r ``frames[r]``: the call runs on the first ``len(frames)`` ranks."""
+    def start_call(
+        self, frames: list[Frame], forbid_collectives: bool, gates: list[list[Gate]] | None = None
+    ) -> None:
+        """Send rank r ``frames[r]``: the call runs on the first ``len(frames)`` ranks, rank r's
+        scenario passing ``gates[r]`` in order (:class:`~grader.broker.ops.Gate`)."""
         with self._cv:
             self.active = len(frames)
             self._reset_call()
             self.forbid_collectives = forbid_collectives
             for state, frame in zip(self._ranks, frames, strict=False):
-                state.start_call()
+                state.start_call(gates[state.rank] if gates else [])
                 self._send(state.rank, frame)
 
     def wait_call(self, deadline: float, alive: Callable[[], bool]) -> bool:
@@ -235,6 +239,17 @@ class Broker(Connections):
         if len(pending) == len(group):
             del self._collectives[(group, sequence)]
             self._run_collective([pending[r] for r in group])
+
+    def rank_gate(self, state: RankState, frame: Frame) -> None:
+        op = self._op(state, frame, protocol.GATE)
+        label = clean(frame.header.get("label", ""), 80)
+        if not state.gates or state.gates[0].label != label:
+            raise ProtocolError(f"a gate {label!r} where the call has none")
+        gate, events = state.gates.pop(0), self.traffic.per_rank[state.rank]
+        opened = any(gate.opened_by(e, self.active) for e in events[state.gate_from :])
+        self.traffic.gates[state.rank].append(GatePass(label, opened, len(events)))
+        state.gate_from = len(events)
+        self._complete(op, [gate.secret])
 
     def rank_wait(self, state: RankState, frame: Frame) -> None:
         """The rank asks for an operation's outcome; ``block``: it waits until it comes."""

@@ -40,6 +40,15 @@ class Wait:
     of: int  # the position of the awaited event among the rank's events
 
 
+@dataclass(frozen=True)
+class GatePass:
+    """A rank's scenario passed a gate (:class:`grader.broker.ops.Gate`)."""
+
+    label: str
+    opened: bool  # what the gate needs had been sent before it
+    after: int  # how many of the rank's events were posted before it
+
+
 @dataclass
 class Traffic:
     """Every rank's events during one call, and when it waited for which of them."""
@@ -47,11 +56,14 @@ class Traffic:
     per_rank: list[list[Event]] = field(default_factory=list)
     waits: list[list[Wait]] = field(default_factory=list)
     delivered: list[int] = field(default_factory=list)  # bytes handed to each rank
+    gates: list[list[GatePass]] = field(default_factory=list)
 
     @classmethod
     def empty(cls, world_size: int) -> Traffic:
         ranks = range(world_size)
-        return cls([[] for _ in ranks], [[] for _ in ranks], [0 for _ in ranks])
+        return cls(
+            [[] for _ in ranks], [[] for _ in ranks], [0 for _ in ranks], [[] for _ in ranks]
+        )
 
     def messages(self) -> list[list[dict[str, Any]]]:
         """Every rank's point-to-point events and its waits for them, in program order, as the

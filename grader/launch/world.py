@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from grader import failures, protocol, wire
-from grader.broker.ops import Problem, Returned
+from grader.broker.ops import Gate, Problem, Returned
 from grader.broker.server import Broker
 from grader.broker.traffic import Traffic
 from grader.failures import Fault
@@ -96,15 +96,17 @@ class World:
         *,
         scenario: str | None = None,
         case: str = "",
+        gates: Sequence[Sequence[Gate]] = (),
     ) -> CallResult:
         """Run ``function`` (``"part.name"`` of the submission) or the grader's ``scenario``
-        (``"part.name"`` in :mod:`grader.scenarios`) on every rank, rank r on ``args[r]``."""
+        (``"part.name"`` in :mod:`grader.scenarios`) on every rank, rank r on ``args[r]``;
+        rank r's scenario passes ``gates[r]`` (:class:`grader.broker.ops.Gate`) in order."""
         if len(args) != self.size:
             raise ValueError(f"call needs arguments for {self.size} ranks, got {len(args)}")
         key = "function" if function else "scenario"
         try:
             return self._pool.call(
-                self.size, key, function or scenario or "", args, self.limits, case
+                self.size, key, function or scenario or "", args, self.limits, case, gates
             )
         except (failures.RankFailure, failures.GraderFailure):
             raise
@@ -139,6 +141,7 @@ class RankPool:
         args: Sequence[Sequence[Any]],
         limits: CallLimits,
         case: str,
+        gates: Sequence[Sequence[Gate]] = (),
     ) -> CallResult:
         part = target.split(".")[0]
         if part in self.poisoned:
@@ -158,7 +161,7 @@ class RankPool:
             frames.append(Frame(header, buffers))
         suffix = f" (case: {case})" if case else ""  # every message names the input case
         started = time.monotonic()
-        job.broker.start_call(frames, limits.forbid_collectives)
+        job.broker.start_call(frames, limits.forbid_collectives, [list(g) for g in gates])
         finished = job.broker.wait_call(started + limits.timeout, job.job.running)
         seconds = time.monotonic() - started
         if not finished:

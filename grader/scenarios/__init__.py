@@ -15,8 +15,25 @@ scenario saw, not more.
 
 from __future__ import annotations
 
+import torch
+
 from grader import protocol
 from grader.rank import link as _link
+
+
+def gate(label: str) -> torch.Tensor:
+    """Pass the test's gate ``label``: block until the broker opens it, and return what it
+    hands over (float64), without which the scenario's result would be wrong. The broker
+    opens it only once this rank has done what the test requires first (a causal fact, from
+    what the rank sent); no mark can stand in for it."""
+    current = _link.current()
+    if current is None:
+        raise RuntimeError("a gate outside of a graded call")
+    answer: list[bytes] = []
+    op = current.start_op(protocol.GATE, lambda frame: answer.extend(frame.buffers), [],
+                          label=label)  # fmt: skip
+    op.wait(current)
+    return torch.frombuffer(bytearray(answer[0]), dtype=torch.float64).clone()
 
 
 def mark(label: str) -> None:

@@ -18,7 +18,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from grader.scenarios import mark
+from grader.scenarios import gate, mark
 
 DIM = 8
 OPTIMIZERS: dict[str, tuple[type[torch.optim.Optimizer], dict[str, Any]]] = {
@@ -143,23 +143,53 @@ def _checkpoint(label: str) -> None:
     mark(label)
 
 
+class Gated(torch.autograd.Function):
+    """The identity forward; in backward, the gradient times a factor only the broker holds.
+
+    Placed on the embedding's output, it is where backward reaches the first layer: the
+    scenario asks the broker for the factor there (:func:`grader.scenarios.gate`), and the
+    broker records whether this rank had already started an all-reduce of gradients computed
+    before it. The factor is secret, so the gradients come out right only if this point is
+    really passed, inside backward.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, label: str) -> Tensor:
+        ctx.label = label
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
+        return grad * gate(ctx.label).to(grad.dtype), None
+
+
 def overlap(
     student: ModuleType, state: dict[str, Tensor], bucket_size_mb: float, batches: Batches
-) -> None:
-    """Backward and synchronization of each batch, between marks the test reads.
+) -> list[dict[str, Tensor | None]]:
+    """Backward and synchronization of each batch, between marks the test reads, through the
+    test's gate at the embedding's output (:class:`Gated`).
 
     ``backward`` before ``loss.backward()``, ``backward returned`` right after it returned,
     ``finished`` after ``finish_gradient_synchronization()``: the broker's record of the
-    all-reduces between them shows whether communication started during backward.
+    all-reduces between them shows whether communication started during backward. Returns
+    every parameter's gradient after each synchronization (they are cleared between batches).
     """
-    dp = student.DataParallel(build(state), bucket_size_mb=bucket_size_mb)
-    for x, y in batches:
+    net, label = build(state), ["iteration 1"]
+    net.embed.register_forward_hook(lambda module, args, out: Gated.apply(out, label[0]))
+    dp = student.DataParallel(net, bucket_size_mb=bucket_size_mb)
+    grads = []
+    for i, (x, y) in enumerate(batches, start=1):
+        label[0] = f"iteration {i}"
         loss = F.mse_loss(dp(x), y)
         _checkpoint("backward")
         loss.backward()
         _checkpoint("backward returned")
         dp.finish_gradient_synchronization()
         _checkpoint("finished")
+        grads.append(_grads(net))
+        for q in net.parameters():
+            q.grad = None
+    return grads
 
 
 def state_bytes(optimizer: torch.optim.Optimizer) -> list[int]:

@@ -10,6 +10,7 @@ A graded test runs in the grader's own process and drives the ranks::
 """
 
 from grader import failures
+from grader.broker.ops import Gate
 from grader.broker.traffic import Event, Traffic
 from grader.judge.verdict import Ring, RingCell, Work
 from grader.launch.world import CallResult, World
@@ -22,6 +23,7 @@ from grader.testkit.timing import stage_timing
 __all__ = [
     "CallResult",
     "Event",
+    "Gate",
     "Ring",
     "RingCell",
     "TestRecord",

@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from grader.scenarios.data_parallel import DIM, OPTIMIZERS, TiedNet, build, tensors_of
-from grader.testkit import CallResult, Event, TestRecord, World, failures, generator
+from grader.testkit import CallResult, Event, Gate, TestRecord, World, failures, generator
 from grader.testkit.explain import blame, close, close_in_float32, difference, uniform_factor
 
 ROWS, STEPS = 12, 3  # ROWS: the full batch, split evenly over 1, 2, 3 or 4 ranks
@@ -334,6 +334,79 @@ def overlap_problem(iterations: list[Window], i: int, bucket: str) -> str | None
     return None
 
 
+class Scaled(torch.autograd.Function):
+    """The trusted twin of the scenario's gate: identity forward, gradient times ``factor``."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, factor: float) -> Tensor:
+        ctx.factor = factor
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
+        return grad * ctx.factor, None
+
+
+def gate_factor(rank: int, iteration: int) -> float:
+    """The secret factor of rank ``rank``'s gate in ``iteration``, in [0.5, 1.5)."""
+    gen = generator(f"data_parallel/gate{iteration}", rank)
+    return 0.5 + float(torch.rand((), generator=gen, dtype=torch.float64))
+
+
+def gated_grads(x: Tensor, y: Tensor, factor: float) -> dict[str, Tensor]:
+    """One rank's local gradients in the overlap scenario: rank 0's model, the gate's factor on
+    the embedding's output gradient."""
+    net = build(initial_state(0))
+    net.embed.register_forward_hook(lambda module, args, out: Scaled.apply(out, factor))
+    F.mse_loss(net(x), y).backward()
+    return {n: q.grad.detach().clone() for n, q in net.named_parameters() if q.grad is not None}
+
+
+def gates(full: list[tuple[Tensor, Tensor]], p: int, bucket: str) -> list[list[Gate]]:
+    """Rank r's gate at the embedding in each iteration: before it, backward has computed
+    head.bias's gradient (and hidden's), so its bucket's all-reduce must have started, unless
+    every gradient is in one bucket, which can only start once backward is done."""
+    out = []
+    for r in range(p):
+        mine = []
+        for i, (x, y) in enumerate(slices(full, r, p), start=1):
+            factor = gate_factor(r, i)
+            needs = () if bucket == "one_bucket" else gated_grads(x, y, factor)["head.bias"]
+            secret = torch.tensor([factor], dtype=torch.float64).numpy().tobytes()
+            mine.append(Gate(f"iteration {i}", secret, tuple(map(float, needs))))
+        out.append(mine)
+    return out
+
+
+def gate_problem(out: CallResult, rank: int, full: list, bucket: str) -> str | None:
+    """What the broker's gates prove wrong on ``rank``: a gate never passed, or passed before
+    any all-reduce of the gradients already computed had started; and gradients that did not
+    go through the gate's secret factor (its point was not really passed inside backward)."""
+    passes = out.traffic.gates[rank]
+    for i in range(1, len(full) + 1):
+        if [g.label for g in passes][i - 1 : i] != [f"iteration {i}"]:
+            return f"iteration {i}: the grader's gate at the embedding was never passed"
+        if not passes[i - 1].opened:
+            return (
+                f"iteration {i}: backward reached the first layer (the embedding) before any "
+                "all-reduce of the gradients it had already computed (head.bias's, hidden's) "
+                "had started, so no communication overlapped with backward (the broker's "
+                "record of what each all-reduce carried): launch a bucket's all-reduce as soon "
+                "as its gradients are ready, from a gradient hook"
+            )
+    p = len(out.traffic.gates)
+    for i, seen in enumerate(out.returned[rank], start=1):
+        locals_ = [gated_grads(*slices(full, r, p)[i - 1], gate_factor(r, i)) for r in range(p)]
+        want = {TIED: sum(g[TIED] for g in locals_) / p}
+        got = {TIED: seen.get(TIED)} if isinstance(seen, dict) else {}
+        if not (close_in_float32(got.get(TIED), want[TIED]) or uniform_factor(got, want)):
+            return (
+                f"iteration {i}: {TIED}'s gradient is not the mean of the ranks' gradients "
+                "through the grader's gate at the embedding: the gate was bypassed"
+            )
+    return None
+
+
 @pytest.mark.graded(target="data_parallel.DataParallel", kind="schedule")
 @pytest.mark.parametrize("bucket", list(BUCKETS))
 def test_overlap(world: World, record: TestRecord, bucket: str) -> None:
@@ -341,7 +414,9 @@ def test_overlap(world: World, record: TestRecord, bucket: str) -> None:
     full = batches()[:2]  # the second iteration shows whether the per-iteration state is reset
     args = [(initial_state(0), size_mb, slices(full, r, p)) for r in range(p)]
     where = f"DataParallel(bucket_size_mb={size_mb:g}) on {p} ranks"
-    out = world.call(scenario="data_parallel.overlap", args=args, case=where)
+    out = world.call(
+        scenario="data_parallel.overlap", args=args, case=where, gates=gates(full, p, bucket)
+    )
     seen = [all_reduces(out, r) for r in range(p)]
     blame(
         where, [None if len(s) == len(full) else "the scenario's marks are missing" for s in seen]
@@ -355,3 +430,6 @@ def test_overlap(world: World, record: TestRecord, bucket: str) -> None:
     )
     for i in range(len(full)):
         blame(f"{where}, iteration {i + 1}", [overlap_problem(s, i, bucket) for s in seen])
+    # The marks above are the scenario's word; what passes rests on the broker's gates.
+    record.details["gates_opened"] = [[g.opened for g in out.traffic.gates[r]] for r in range(p)]
+    blame(where, [gate_problem(out, r, full, bucket) for r in range(p)])

@@ -313,3 +313,17 @@ def test_a_decoy_all_reduce_of_the_right_size_earns_no_communication_points(grad
     test = graded.test("parallel_mlp_communication", 2, TP)
     assert test["score"] == 0, test["output"]
     assert "all-reduce carried something other than this rank's partial output" in test["output"]
+
+
+def test_forged_marks_earn_no_overlap_points(grade) -> None:
+    """Every all-reduce in finish, the scenario's "backward returned" mark posted after them:
+    the marks say overlap, the broker's gate at the embedding says none started in time."""
+    graded = grade("dp_forged_marks", DP, k="overlap", world_sizes=(2,))
+    for name in OVERLAP:
+        test = graded.test(name, 2, DP)
+        if name == "overlap[one_bucket]":  # one bucket can only start once backward is done
+            continue
+        assert test["score"] == 0, (name, test["output"])
+        assert "backward reached the first layer (the embedding) before any all-reduce" in (
+            test["output"]
+        ), test["output"]
