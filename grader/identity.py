@@ -1,0 +1,125 @@
+"""Every grading its own uids: a block reserved for one run, a uid per rank, none shared.
+
+As root (the ``uid`` level, and ``namespaces`` where privileged bubblewrap drops the rank
+to a uid with ``setpriv``), what separates two gradings and what the kernel counts per
+user (RLIMIT_NPROC, keyrings, signals, the owner of a file in a shared /tmp) is the rank's
+uid. So each run reserves a block of uids that nothing else on the machine uses: the
+blocks lie in a range no distribution allocates (above the 16-bit ids and the ranges
+systemd hands out: systemd's UIDS-GIDS.md leaves 0x70000000-0x7FFFFFFF unused), and a block
+is held by an ``flock`` on its file in ``/run/grader-uids`` for as long as the run's
+process lives, so that a grading killed without a word frees it too. A block whose uids
+still own a process (one of another program, or a rank that outlived a killed grader) is
+skipped, never killed: the cleanup kills only its own job's processes. Rank ``r`` of this
+node runs as ``first + r``; its gid is the same number, with no supplementary groups.
+
+A grader that is not root needs none of this: bubblewrap gives each rank a user namespace
+of its own (``--unshare-user``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import random
+import shutil
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+from grader import sandbox
+
+__all__ = ["FIRST_UID", "Identity", "reserve"]
+
+FIRST_UID = 0x71000000  # 1895825408: inside systemd's unused range, clear of its edges
+BLOCK = 256  # uids per run: the most ranks one node runs
+BLOCKS = 4096
+LOCK_DIR = Path("/run/grader-uids")
+#: Where any uid may create files: what a job's uids leave here is removed at its end.
+_SHARED_WRITABLE = (Path("/tmp"), Path("/var/tmp"), Path("/dev/shm"))
+
+
+@dataclass(frozen=True)
+class Identity:
+    """The uids ``first .. first + count - 1``, this run's alone while ``lock`` is open."""
+
+    first: int
+    count: int
+    lock: int  # the open descriptor holding the block's flock
+
+    def uid(self, local_rank: int) -> int:
+        if not 0 <= local_rank < self.count:
+            raise sandbox.SandboxError(f"a node runs at most {self.count} ranks")
+        return self.first + local_rank
+
+    @property
+    def uids(self) -> range:
+        return range(self.first, self.first + self.count)
+
+    def end_jobs(self) -> int:
+        """SIGKILL every process of the block's uids and remove the files they left where
+        anyone may write; returns how many processes there were."""
+        killed = sum(sandbox.kill_uid(uid) for uid in self.uids if sandbox.pids_of(uid))
+        _remove_owned(_SHARED_WRITABLE, set(self.uids))
+        return killed
+
+    def release(self) -> None:
+        """End the block's jobs and give it back."""
+        try:
+            self.end_jobs()
+        finally:
+            os.close(self.lock)
+
+
+def reserve(count: int = BLOCK) -> Identity:
+    """A block of ``count`` uids that no process uses, locked for this process (root only)."""
+    if os.geteuid() != 0:
+        raise sandbox.SandboxError("reserving uids for the ranks needs root")
+    LOCK_DIR.mkdir(mode=0o700, exist_ok=True)
+    busy = _busy_uids()
+    for block in random.sample(range(BLOCKS), BLOCKS):  # graders starting together spread out
+        first = FIRST_UID + block * BLOCK
+        if busy.intersection(range(first, first + count)):
+            continue
+        lock = os.open(LOCK_DIR / f"{first}.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(lock)
+            continue
+        identity = Identity(first, count, lock)
+        _remove_owned(_SHARED_WRITABLE, set(identity.uids))  # a killed grader's leftovers
+        return identity
+    raise sandbox.SandboxError(f"every block of uids for the ranks is in use ({LOCK_DIR})")
+
+
+def _busy_uids() -> set[int]:
+    """The real, effective and saved uids of every live process."""
+    busy: set[int] = set()
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        with contextlib.suppress(OSError, ValueError):
+            for line in Path(f"/proc/{entry}/status").read_text().splitlines():
+                if line.startswith("Uid:"):
+                    busy.update(int(uid) for uid in line.split()[1:4])
+                    break
+    return busy
+
+
+def _remove_owned(roots: Iterable[Path], uids: set[int]) -> None:
+    """Delete what ``uids`` own below ``roots`` (never following a link, never leaving the
+    root's file system)."""
+    for root in roots:
+        with contextlib.suppress(OSError):
+            device = root.stat().st_dev
+            for folder, dirs, files in os.walk(root, topdown=False):
+                for name in files + dirs:
+                    path = os.path.join(folder, name)
+                    with contextlib.suppress(OSError):
+                        info = os.lstat(path)
+                        if info.st_dev != device or info.st_uid not in uids:
+                            continue
+                        if os.path.isdir(path) and not os.path.islink(path):
+                            shutil.rmtree(path, ignore_errors=True)
+                        else:
+                            os.unlink(path)
+
