@@ -124,9 +124,9 @@ def grade(
     except KeyboardInterrupt:
         interrupted = True
     finally:
+        shutil.rmtree(work, ignore_errors=True)
         if identity is not None:
             identity.release()
-        shutil.rmtree(work, ignore_errors=True)
     for test in tests:
         if test.nodeid not in verdicts:
             reason = "grading was interrupted" if interrupted else "the grader stopped early"
@@ -170,12 +170,29 @@ def choose_level(
             break
         why = sandbox.unavailable(level)
         if why is None and level is not sandbox.Level.NONE:
-            why = probe(settings_for(level))
+            settings = settings_for(level)
+            why = probe(settings)
             why = why and f"a rank cannot start: {why} ({_FIXES[level]})"
+            if why is None and level is sandbox.Level.UID:
+                why = _exposed(settings)
         if why is None:
             return level
         tried.append(f"{level.value}: {why}")
     raise sandbox.SandboxError("cannot sandbox the ranks here: " + "; ".join(tried))
+
+
+def _exposed(settings: JobSettings) -> str | None:
+    """At ``uid`` only permissions hide the course: which part a rank could read, if any."""
+    course_files = [course.REPO_ROOT / "reference", course.GRADED_DIR, secret_path()]
+    assert settings.identity is not None
+    uid = settings.identity.uid(0)
+    readable = sandbox.readable_by([p for p in course_files if p.exists()], uid, uid)
+    if not readable:
+        return None
+    return (
+        f"the ranks' uid can read {readable[0]} (make the course unreadable to others: "
+        f"chmod -R o-rwx {course.REPO_ROOT})"
+    )
 
 
 def _run(
@@ -233,7 +250,8 @@ def _run_tests(
     if code in _BROKEN and failure is None:
         last = [line for line in said.getvalue().splitlines() if line.strip()][-1:]
         failure = f"pytest could not run the graded tests ({code.name}): {' '.join(last)}"
-    return code == pytest.ExitCode.INTERRUPTED, failure
+    # A grader failure stops the session too (the plugin): then the run broke, not paused.
+    return code == pytest.ExitCode.INTERRUPTED and failure is None, failure
 
 
 def job_settings(

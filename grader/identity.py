@@ -57,16 +57,16 @@ class Identity:
         return range(self.first, self.first + self.count)
 
     def end_jobs(self) -> int:
-        """SIGKILL every process of the block's uids and remove the files they left where
-        anyone may write; returns how many processes there were."""
-        killed = sum(sandbox.kill_uid(uid) for uid in self.uids if sandbox.pids_of(uid))
-        _remove_owned(_SHARED_WRITABLE, set(self.uids))
-        return killed
+        """SIGKILL every process of the block's uids; returns how many there were."""
+        return sum(sandbox.kill_uid(uid) for uid in self.uids if sandbox.pids_of(uid))
 
     def release(self) -> None:
-        """End the block's jobs and give it back."""
+        """End the block's jobs, remove the files its uids left where anyone may write (at
+        the ``uid`` level /tmp is the host's), and give the block back. After the run's
+        own folders are gone."""
         try:
             self.end_jobs()
+            _remove_owned(_SHARED_WRITABLE, set(self.uids))
         finally:
             os.close(self.lock)
 
@@ -122,4 +122,3 @@ def _remove_owned(roots: Iterable[Path], uids: set[int]) -> None:
                             shutil.rmtree(path, ignore_errors=True)
                         else:
                             os.unlink(path)
-

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import platform
 import random
 import shutil
 import signal
@@ -31,7 +32,7 @@ from grader import sandbox
 from grader.sandbox import GUARANTEES, Level, Sandbox, SandboxError
 
 PROBE = r"""
-import json, os, socket, sys, time
+import ctypes, fcntl, json, os, socket, sys, time
 mode, token, repo, port, sock = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5]
 
 def attempt(action):
@@ -54,7 +55,42 @@ def unix():
         s.sendall(b"ping")
         return s.recv(64).decode()
 
-if mode.startswith("probe"):
+libc = ctypes.CDLL(None, use_errno=True)
+
+def syscall(number, *args):
+    if libc.syscall(number, *args) < 0:
+        raise OSError(ctypes.get_errno(), os.strerror(ctypes.get_errno()))
+
+def fill(path, megabytes):
+    with open(path, "wb") as f:
+        for _ in range(megabytes):
+            f.write(bytes(1 << 20))
+
+def open_many(count):
+    files = [open("/etc/passwd") for _ in range(count)]
+    for f in files:
+        f.close()
+
+KERNEL = {  # channels no namespace separates: the seccomp filter refuses each
+    "lockf": lambda: fcntl.lockf(os.open("/etc/passwd", os.O_RDONLY), fcntl.LOCK_SH),  # F_SETLK
+    "flock": lambda: fcntl.flock(os.open("/etc/passwd", os.O_RDONLY), fcntl.LOCK_SH),
+    "add_key": lambda: syscall(248, b"user", b"side-channel-probe", b"x", 1, -4),  # x86-64
+    "keyctl": lambda: syscall(250, 0, -4, 0),  # KEYCTL_GET_KEYRING_ID of the user keyring
+    "ptrace": lambda: syscall(101, 16, os.getppid(), 0, 0),  # PTRACE_ATTACH
+    "shmget": lambda: syscall(29, 0, 4096, 0o1600),  # IPC_PRIVATE | IPC_CREAT
+    "unshare": lambda: syscall(272, 0x10000000),  # CLONE_NEWUSER
+    "thread": lambda: __import__("threading").Thread(target=int).start(),  # clone3 falls back
+}
+
+if mode == "locks":
+    print(json.dumps({k: attempt(KERNEL[k]) for k in ("lockf", "flock")}), flush=True)
+elif mode == "kernel":
+    limits = {
+        "fill_scratch": attempt(lambda: fill("big.bin", int(sys.argv[6]) * 2)),
+        "open_files": attempt(lambda: open_many(int(sys.argv[7]) + 8)),
+    }
+    print(json.dumps({**{k: attempt(v) for k, v in KERNEL.items()}, **limits}), flush=True)
+elif mode.startswith("probe"):
     print(json.dumps({
         "secret": attempt(lambda: open(f"{repo}/reference/collectives.py").read()),
         "readable": attempt(lambda: open(f"{repo}/grader/ok.py").read()),
@@ -139,7 +175,7 @@ def _free_uid() -> int:
     """A uid no process uses: tests must not kill (or be killed with) anyone's nobody."""
     while True:
         uid = random.randrange(61000, 65000)
-        if not sandbox._pids_of(uid):
+        if not sandbox.pids_of(uid):
             return uid
 
 
@@ -189,6 +225,9 @@ class World:
             **{k: [str(p) for p in getattr(box, k)] for k in ("hidden", "readable", "sockets")},
             "env": dict(box.env),
             "memory_bytes": box.memory_bytes,
+            "scratch_bytes": box.scratch_bytes,
+            "max_file_bytes": box.max_file_bytes,
+            "max_open_files": box.max_open_files,
             "uid": box.uid,
             "gid": box.gid,
             "argv": argv,
@@ -284,8 +323,8 @@ needs_uid = pytest.mark.skipif(bool(_available(Level.UID)), reason=str(_availabl
 def test_namespaces_hide_confine_and_cap(world: World) -> None:
     seen = world.probe(world.sandbox(Level.NAMESPACES))
     assert seen["secret"] == "FileNotFoundError"  # masked by an empty tmpfs
-    assert seen["readable"] == "readable\n" and (world.base / "scratch" / "mine.txt").exists()
-    assert seen["write_scratch"] == "ok"
+    assert seen["readable"] == "readable\n" and seen["write_scratch"] == "ok"
+    assert not (world.base / "scratch" / "mine.txt").exists()  # a tmpfs: not the host's disk
     assert seen["write_repo"] in ("OSError", "PermissionError")  # read-only
     assert not (world.repo / "grader" / "evil.py").exists()
     assert not (Path("/tmp") / world.token).exists()  # a private /tmp, if any
@@ -315,6 +354,42 @@ def test_uid_level_confines_by_permissions(world: World) -> None:
     assert seen["cwd"] == seen["home"] == str(world.base / "scratch")
     # What this level does not do, as GUARANTEES says: /tmp is shared with the host.
     assert seen["write_tmp"] == "ok" and "/tmp" in GUARANTEES[Level.UID]
+
+
+x86_64 = pytest.mark.skipif(platform.machine() != "x86_64", reason="the probe's syscall numbers")
+
+
+@x86_64
+@pytest.mark.parametrize(
+    "level",
+    [
+        pytest.param(Level.NAMESPACES, marks=needs_namespaces),
+        pytest.param(Level.UID, marks=needs_uid),
+    ],
+)
+def test_kernel_objects_are_refused_and_limits_hold(world: World, level: Level) -> None:
+    """The seccomp filter's channels are closed at both levels (syscall_filter's list), and
+    a rank cannot fill more than its scratch nor open more files than its cap."""
+    uid = _free_uid() if level is Level.UID else sandbox.NOBODY
+    limits = {"scratch_bytes": 8 << 20, "max_file_bytes": 8 << 20, "max_open_files": 64}
+    box = world.sandbox(level, uid=uid, gid=uid, **limits)
+    code, out, err = world.run(box, [*world.argv("kernel", _python_for(uid)), "8", "64"])
+    assert code == 0, err
+    seen = json.loads(out)
+    refused = {"lockf", "flock", "add_key", "keyctl", "ptrace", "shmget", "unshare"}
+    assert {k: seen[k] for k in refused} == dict.fromkeys(refused, "PermissionError")
+    assert seen["thread"] == "ok"  # clone3's ENOSYS: the C library falls back to clone
+    assert seen["fill_scratch"] == "OSError" and seen["open_files"] == "OSError"
+    big = world.base / "scratch" / "big.bin"
+    assert not big.exists() if level is Level.NAMESPACES else big.stat().st_size <= 8 << 20
+
+
+@x86_64
+def test_without_the_filter_a_lock_is_a_channel(world: World) -> None:
+    """What the filter closes is real: at ``none`` the same lock calls succeed."""
+    code, out, err = world.run(world.sandbox(Level.NONE), world.argv("locks"))
+    seen = json.loads(out)
+    assert code == 0 and seen["lockf"] == seen["flock"] == "ok", err
 
 
 def test_none_level_runs_as_is(world: World) -> None:
@@ -370,7 +445,7 @@ def test_uid_daemon_dies_by_kill_uid(world: World) -> None:
         assert _wait_until(lambda: _pids_with(world.token) == [daemon], 5)  # escaped
         assert sandbox.kill_uid(uid) == 1
         assert _wait_until(lambda: not _pids_with(world.token), 3)
-        assert sandbox._pids_of(uid) == []
+        assert sandbox.pids_of(uid) == []
     finally:
         _kill_group(proc)
 
@@ -382,12 +457,12 @@ def test_detect_honours_requests_or_says_why(monkeypatch: pytest.MonkeyPatch) ->
     with pytest.raises(SandboxError, match="unknown sandbox level"):
         sandbox.detect("chroot")
     monkeypatch.setattr(sandbox.shutil, "which", lambda _: None)
-    sandbox._namespaces_fail.cache_clear()
+    sandbox.unavailable.cache_clear()
     try:
         with pytest.raises(SandboxError, match="bwrap is not installed"):
             sandbox.detect("namespaces")
     finally:
-        sandbox._namespaces_fail.cache_clear()
+        sandbox.unavailable.cache_clear()
 
 
 def test_kill_uid_refuses_the_graders_own_uid() -> None:
