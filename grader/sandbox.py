@@ -59,6 +59,22 @@ _PR_SET_PDEATHSIG = 1
 _PR_SET_NO_NEW_PRIVS = 38
 
 
+#: What a rank's exception says when it ran into a limit of its sandbox, and that limit.
+_LIMITS_SEEN = (
+    ("MemoryError", "memory (limits.memory_per_rank_mib in grading.yaml)"),
+    ("No space left on device", "scratch space (limits.scratch_per_rank_mib in grading.yaml)"),
+    ("File too large", "the size of one file (limits.scratch_per_rank_mib in grading.yaml)"),
+    ("Too many open files", "open files and sockets"),
+    ("can't start new thread", "processes and threads"),
+    ("Resource temporarily unavailable", "processes and threads"),
+)
+
+
+def limit_reached(error: str) -> str | None:
+    """The sandbox's limit that ``error`` (a rank's ``Type: message``) tells of, if any."""
+    return next((limit for seen, limit in _LIMITS_SEEN if seen in error), None)
+
+
 class SandboxError(RuntimeError):
     """A sandbox that was asked for cannot be provided or used; the message is one line."""
 

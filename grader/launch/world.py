@@ -29,7 +29,7 @@ from grader.broker.traffic import Traffic
 from grader.launch.job import RANK_WRAPPER, TorchrunJob, log_tail, node_job, prepare_job
 from grader.launch.sandboxed import last_words, rank_exit
 from grader.protocol import RankError, RankExit
-from grader.sandbox import DEFAULT_SCRATCH
+from grader.sandbox import DEFAULT_SCRATCH, limit_reached
 from grader.wire import Frame
 
 if TYPE_CHECKING:
@@ -335,6 +335,8 @@ def _student_failure(
         name = first.raiser or "the function"
         return failures.NotImplementedYet(f"not implemented yet: {name} raises NotImplementedError")
     text = f"{who}: {first.type}: {first.message}".rstrip(": ") + first.where() + suffix
+    if limit := limit_reached(f"{first.type}: {first.message}"):
+        text += f"; the rank reached its sandbox's limit on {limit}"
     others = [r for r in own if r not in same]
     if others:
         text += f"; rank {others[0]} also raised {own[others[0]].type}"
