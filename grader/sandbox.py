@@ -43,12 +43,12 @@ __all__ = ["GUARANTEES", "Level", "Sandbox", "SandboxError", "detect", "kill_uid
 GiB = 1 << 30
 MiB = 1 << 20
 NOBODY = 65534
-#: Address space per rank (``memory_per_rank`` in grading.yaml overrides it). The documented
-#: container holds 4 ranks and the grader in 4 GB: 4 x (768 MiB + the rank's tmpfs mounts,
-#: 112 MiB) leaves the grader about 0.5 GB. A 4-rank gloo job peaked at ~0.9 GiB of address
-#: space per rank on 2 cores yet ran under a 768 MiB cap (640 MiB failed), and so does the
-#: whole reference (tests/selftests/test_sandbox.py).
-DEFAULT_MEMORY = 768 * MiB
+#: Address space per rank (``memory_per_rank_mib`` in grading.yaml overrides it). A rank
+#: with torch imported maps ~580 MiB of which ~220 MiB is resident, so under a cap C it
+#: holds at most about C - 360 MiB resident, plus its tmpfs mounts (112 MiB): 4 ranks at
+#: 1 GiB hold ~3.1 GB and leave the grader ~0.9 GB of a 4 GB container. At 768 MiB the
+#: reference ran out of memory in all_to_all's 4 MB performance test (world size 2).
+DEFAULT_MEMORY = 1024 * MiB
 DEFAULT_SCRATCH = 64 * MiB
 ENV_VAR = "GRADER_SANDBOX"
 #: Private tmpfs mounts each rank gets besides its scratch, with their modes; each holds

@@ -110,7 +110,8 @@ def test_side_by_side_the_kernel_object_attack_earns_nothing(tmp_path: Path) -> 
             _, err = process.communicate(timeout=900)
             assert process.returncode in (0, 1), f"{name}: {err}"
         honest, attacked = (json.loads((tmp_path / f"{n}.json").read_text()) for n in runs)
-        assert honest["score"] == 3 and honest["extra_data"]["sandbox"] == "namespaces"
+        assert all(t["status"] == "passed" for t in honest["tests"]), honest["tests"]
+        assert len(honest["tests"]) == 3 and honest["extra_data"]["sandbox"] == "namespaces"
         assert attacked["score"] == 0 and attacked["extra_data"]["sandbox"] == "namespaces"
         correctness = [t for t in attacked["tests"] if t["extra_data"]["kind"] == "correctness"]
         assert {t["extra_data"]["target"] for t in correctness} == {
