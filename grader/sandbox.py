@@ -271,7 +271,10 @@ class Sandbox:
             flags.extend([*option, str(at)])
 
         remount: list[str] = []
-        for path in self.hidden:
+        # Inside a hidden folder is hidden already; a mask mounted on a folder after one on
+        # its child would bury the child's mount point (a course in a home, both hidden).
+        outermost = [p for p in self.hidden if not any(q in p.parents for q in self.hidden)]
+        for path in outermost:
             if path.is_dir():
                 mount("--size", str(MiB), "--tmpfs", at=path)
                 masks.append(path)

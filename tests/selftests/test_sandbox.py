@@ -8,6 +8,7 @@ token in its argv, so that the test can find it in /proc and prove that none is 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import platform
@@ -336,6 +337,15 @@ def test_namespaces_hide_confine_and_cap(world: World) -> None:
     assert seen["uid"] == 65534 and not seen["leaked"]
     assert seen["shadow"] == "PermissionError" and seen["caps"] == "0000000000000000"
     assert seen["cwd"] == seen["home"] == str(world.base / "scratch")
+
+
+@needs_namespaces
+def test_a_hidden_folder_inside_a_later_hidden_one(world: World) -> None:
+    """A course in a home directory: both hidden, the home after the course (issue 14's
+    student laptop, where bwrap could not remount the buried mount point read-only)."""
+    box = world.sandbox(Level.NAMESPACES)
+    seen = world.probe(dataclasses.replace(box, hidden=(world.repo, world.base)))
+    assert seen["secret"] == "FileNotFoundError" and seen["readable"] == "readable\n"
 
 
 @needs_uid
