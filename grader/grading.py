@@ -26,11 +26,11 @@ from pathlib import Path
 import pytest
 
 from grader import config as course
+from grader import identity as uids
 from grader import protocol, sandbox
 from grader.catalog import GradedTest, WorldSizes, graded_pytest
 from grader.config import GradingConfig, RankLimits
 from grader.identity import Identity
-from grader.identity import reserve as reserve_uids
 from grader.judge.audit import audit
 from grader.judge.plugin import GradingPlugin
 from grader.judge.verdict import Verdict
@@ -101,7 +101,7 @@ def grade(
         staged = import_dir / "assignments"
         review = [f"left out of the submission: {line}" for line in left_out] + audit(staged)
         if os.geteuid() == 0 and sys.platform == "linux":
-            identity = reserve_uids()
+            identity = uids.reserve()
         level = choose_level(
             sandbox_request, for_course, lambda lv: job_settings(work, lv, "cpu", identity=identity)
         )
@@ -186,7 +186,7 @@ def _exposed(settings: JobSettings) -> str | None:
     course_files = [course.REPO_ROOT / "reference", course.GRADED_DIR, secret_path()]
     assert settings.identity is not None
     uid = settings.identity.uid(0)
-    readable = sandbox.readable_by([p for p in course_files if p.exists()], uid, uid)
+    readable = uids.readable_by([p for p in course_files if p.exists()], uid, uid)
     if not readable:
         return None
     return (

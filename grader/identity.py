@@ -23,13 +23,17 @@ import fcntl
 import os
 import random
 import shutil
-from collections.abc import Iterable
+import signal
+import sys
+import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
 from grader import sandbox
+from grader.sandbox import NOBODY, SandboxError
 
-__all__ = ["FIRST_UID", "Identity", "reserve"]
+__all__ = ["FIRST_UID", "Identity", "kill_uid", "pids_of", "readable_by", "reserve"]
 
 FIRST_UID = 0x71000000  # 1895825408: inside systemd's unused range, clear of its edges
 BLOCK = 256  # uids per run: the most ranks one node runs
@@ -49,7 +53,7 @@ class Identity:
 
     def uid(self, local_rank: int) -> int:
         if not 0 <= local_rank < self.count:
-            raise sandbox.SandboxError(f"a node runs at most {self.count} ranks")
+            raise SandboxError(f"a node runs at most {self.count} ranks")
         return self.first + local_rank
 
     @property
@@ -58,7 +62,7 @@ class Identity:
 
     def end_jobs(self) -> int:
         """SIGKILL every process of the block's uids; returns how many there were."""
-        return sum(sandbox.kill_uid(uid) for uid in self.uids if sandbox.pids_of(uid))
+        return sum(kill_uid(uid) for uid in self.uids if pids_of(uid))
 
     def release(self) -> None:
         """End the block's jobs, remove the files its uids left where anyone may write (at
@@ -74,7 +78,7 @@ class Identity:
 def reserve(count: int = BLOCK) -> Identity:
     """A block of ``count`` uids that no process uses, locked for this process (root only)."""
     if os.geteuid() != 0:
-        raise sandbox.SandboxError("reserving uids for the ranks needs root")
+        raise SandboxError("reserving uids for the ranks needs root")
     LOCK_DIR.mkdir(mode=0o700, exist_ok=True)
     busy = _busy_uids()
     for block in random.sample(range(BLOCKS), BLOCKS):  # graders starting together spread out
@@ -90,7 +94,7 @@ def reserve(count: int = BLOCK) -> Identity:
         identity = Identity(first, count, lock)
         _remove_owned(_SHARED_WRITABLE, set(identity.uids))  # a killed grader's leftovers
         return identity
-    raise sandbox.SandboxError(f"every block of uids for the ranks is in use ({LOCK_DIR})")
+    raise SandboxError(f"every block of uids for the ranks is in use ({LOCK_DIR})")
 
 
 def _busy_uids() -> set[int]:
@@ -122,3 +126,92 @@ def _remove_owned(roots: Iterable[Path], uids: set[int]) -> None:
                             shutil.rmtree(path, ignore_errors=True)
                         else:
                             os.unlink(path)
+
+
+def _as_uid(uid: int, gid: int, work: Callable[[], bytes]) -> bytes:
+    """Run ``work`` in a forked child dropped to uid/gid; what it returns comes back.
+
+    A fork, not a subprocess: no interpreter start, and the child only makes system
+    calls before ``os._exit``.
+    """
+    if os.geteuid() != 0 and uid != os.geteuid():
+        raise SandboxError(f"acting as uid {uid} needs root")
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        code = 1
+        try:
+            os.close(read_end)
+            sandbox.drop_to(uid, gid)
+            os.write(write_end, work())
+            code = 0
+        finally:
+            os._exit(code)
+    os.close(write_end)
+    with os.fdopen(read_end, "rb") as pipe:
+        out = pipe.read()
+    _, status = os.waitpid(pid, 0)
+    if os.waitstatus_to_exitcode(status) != 0:
+        raise SandboxError(f"the check as uid {uid} failed")
+    return out
+
+
+def readable_by(paths: Iterable[Path], uid: int = NOBODY, gid: int = NOBODY) -> list[Path]:
+    """The ``paths`` that uid/gid (no supplementary groups) can read.
+
+    At the ``uid`` level these are the grader's files a rank could read: the grader
+    should refuse to run, or warn, unless the list is empty. ``access()`` after dropping
+    to the uid, so a directory on the way that the uid cannot search hides what lies
+    below, and a FIFO is never opened.
+    """
+    paths = [Path(p) for p in paths]
+    answers = _as_uid(uid, gid, lambda: bytes(os.access(p, os.R_OK) for p in paths))
+    return [p for p, ok in zip(paths, answers, strict=True) if ok]
+
+
+def pids_of(uid: int) -> list[int]:
+    """Live (not zombie) processes whose real, effective or saved uid is ``uid``."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            status = Path(f"/proc/{entry}/status").read_text()
+        except OSError:  # gone meanwhile
+            continue
+        fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
+        if fields.get("State", "").strip().startswith("Z"):
+            continue
+        if str(uid) in fields.get("Uid", "").split()[:3]:
+            pids.append(int(entry))
+    return pids
+
+
+def kill_uid(uid: int, timeout: float = 10.0) -> int:
+    """SIGKILL every process of ``uid`` until none is left; returns how many there were.
+
+    ``kill(-1)`` sent as the uid itself reaches all of them in one call (a fork bomb
+    cannot outrun it); then /proc is read again until it shows none.
+    """
+    if uid == 0 or uid == os.geteuid():
+        raise SandboxError(f"refusing to kill every process of uid {uid}: it is the grader's")
+    if sys.platform != "linux":
+        raise SandboxError("kill_uid reads /proc: Linux only")
+    seen: set[int] = set()
+    deadline = time.monotonic() + timeout
+    while pids := pids_of(uid):
+        seen.update(pids)
+        if time.monotonic() > deadline:
+            raise SandboxError(f"processes of uid {uid} survive SIGKILL: {sorted(pids)}")
+        _as_uid(uid, NOBODY, _kill_all)
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        time.sleep(0.02)
+    return len(seen)
+
+
+def _kill_all() -> bytes:
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(-1, signal.SIGKILL)  # every process we may signal, except ourselves
+    return b""

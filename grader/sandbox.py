@@ -29,8 +29,7 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
@@ -38,7 +37,7 @@ from typing import IO, NoReturn
 
 from grader import syscall_filter
 
-__all__ = ["GUARANTEES", "Level", "Sandbox", "SandboxError", "detect", "kill_uid", "readable_by"]
+__all__ = ["GUARANTEES", "Level", "Sandbox", "SandboxError", "detect", "limit_reached"]
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -136,7 +135,7 @@ def _inner(uid: int, gid: int, processes: int) -> list[str]:
     return [path, *ids, "--inh-caps=-all", "--bounding-set=-all", "--no-new-privs", "--"]
 
 
-def _drop_to(uid: int, gid: int) -> None:
+def drop_to(uid: int, gid: int) -> None:
     """Become uid/gid for good (no supplementary groups); a no-op unless we are root."""
     if os.geteuid() == 0:
         os.setgroups([])
@@ -320,7 +319,7 @@ class Sandbox:
             _set_limit(resource.RLIMIT_NPROC, self.max_processes)
         _prctl(_PR_SET_NO_NEW_PRIVS, 1)  # setuid binaries (su, mount) gain nothing
         if self.level is Level.UID:
-            _drop_to(self.uid, self.gid)
+            drop_to(self.uid, self.gid)
             os.chdir(self.scratch)
             _die_with(parent)
             syscall_filter.load(syscall_filter.program())  # last: for good, and for all it starts
@@ -367,90 +366,11 @@ def _set_limit(resource_id: int, value: int) -> None:
     resource.setrlimit(resource_id, (value, value))
 
 
-def _as_uid(uid: int, gid: int, work: Callable[[], bytes]) -> bytes:
-    """Run ``work`` in a forked child dropped to uid/gid; what it returns comes back.
+def __getattr__(name: str) -> object:
+    """``kill_uid``, ``readable_by`` and ``pids_of`` live in :mod:`grader.identity` now,
+    with the uids they act on; the old names still answer here."""
+    if name in ("kill_uid", "readable_by", "pids_of"):
+        from grader import identity
 
-    A fork, not a subprocess: no interpreter start, and the child only makes system
-    calls before ``os._exit``.
-    """
-    if os.geteuid() != 0 and uid != os.geteuid():
-        raise SandboxError(f"acting as uid {uid} needs root")
-    read_end, write_end = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # pragma: no cover - the child
-        code = 1
-        try:
-            os.close(read_end)
-            _drop_to(uid, gid)
-            os.write(write_end, work())
-            code = 0
-        finally:
-            os._exit(code)
-    os.close(write_end)
-    with os.fdopen(read_end, "rb") as pipe:
-        out = pipe.read()
-    _, status = os.waitpid(pid, 0)
-    if os.waitstatus_to_exitcode(status) != 0:
-        raise SandboxError(f"the check as uid {uid} failed")
-    return out
-
-
-def readable_by(paths: Iterable[Path], uid: int = NOBODY, gid: int = NOBODY) -> list[Path]:
-    """The ``paths`` that uid/gid (no supplementary groups) can read.
-
-    At the ``uid`` level these are the grader's files a rank could read: the grader
-    should refuse to run, or warn, unless the list is empty. ``access()`` after dropping
-    to the uid, so a directory on the way that the uid cannot search hides what lies
-    below, and a FIFO is never opened.
-    """
-    paths = [Path(p) for p in paths]
-    answers = _as_uid(uid, gid, lambda: bytes(os.access(p, os.R_OK) for p in paths))
-    return [p for p, ok in zip(paths, answers, strict=True) if ok]
-
-
-def pids_of(uid: int) -> list[int]:
-    """Live (not zombie) processes whose real, effective or saved uid is ``uid``."""
-    pids = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            status = Path(f"/proc/{entry}/status").read_text()
-        except OSError:  # gone meanwhile
-            continue
-        fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
-        if fields.get("State", "").strip().startswith("Z"):
-            continue
-        if str(uid) in fields.get("Uid", "").split()[:3]:
-            pids.append(int(entry))
-    return pids
-
-
-def kill_uid(uid: int, timeout: float = 10.0) -> int:
-    """SIGKILL every process of ``uid`` until none is left; returns how many there were.
-
-    ``kill(-1)`` sent as the uid itself reaches all of them in one call (a fork bomb
-    cannot outrun it); then /proc is read again until it shows none.
-    """
-    if uid == 0 or uid == os.geteuid():
-        raise SandboxError(f"refusing to kill every process of uid {uid}: it is the grader's")
-    if sys.platform != "linux":
-        raise SandboxError("kill_uid reads /proc: Linux only")
-    seen: set[int] = set()
-    deadline = time.monotonic() + timeout
-    while pids := pids_of(uid):
-        seen.update(pids)
-        if time.monotonic() > deadline:
-            raise SandboxError(f"processes of uid {uid} survive SIGKILL: {sorted(pids)}")
-        _as_uid(uid, NOBODY, _kill_all)
-        for pid in pids:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-        time.sleep(0.02)
-    return len(seen)
-
-
-def _kill_all() -> bytes:
-    with contextlib.suppress(ProcessLookupError):
-        os.kill(-1, signal.SIGKILL)  # every process we may signal, except ourselves
-    return b""
+        return getattr(identity, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -64,7 +64,7 @@ def test_each_run_reserves_its_own_uids_and_ends_only_their_processes(tmp_path: 
             path.write_text("x")
             os.chown(path, uid, uid)
         deadline = time.monotonic() + 20
-        while not sandbox.pids_of(first.uid(0)) and time.monotonic() < deadline:
+        while not identity.pids_of(first.uid(0)) and time.monotonic() < deadline:
             time.sleep(0.05)  # until setpriv has dropped to the uid
         assert first.end_jobs() == 1
         assert ours.wait(5) == -9 and bystander.poll() is None
@@ -172,7 +172,7 @@ def test_without_namespaces_a_course_run_grades_at_uid_or_refuses_at_once(
     done = run_grader([*args, "collectives", "-k", "all_reduce", "--world-size", "2"], env=env)
     seconds = time.monotonic() - started
     results = tmp_path / "results" / "results.json"
-    uid_runs = sandbox.readable_by([Path(sys.executable)], identity.FIRST_UID, identity.FIRST_UID)
+    uid_runs = identity.readable_by([Path(sys.executable)], identity.FIRST_UID, identity.FIRST_UID)
     print(f"exit {done.returncode} after {seconds:.1f} s: {done.stderr.strip()[-300:]}")
     if uid_runs:
         assert done.returncode == 0, done.stderr
@@ -193,7 +193,7 @@ def test_without_namespaces_a_students_run_falls_back_and_none_asked_for_is_mark
     select = ["collectives", "-k", "all_reduce", "--world-size", "1"]
     own = run_grader([*CONFIG, "run", *select, "--submission", str(REPO / "reference")], env=env)
     assert own.returncode == 0, own.stderr
-    uid_runs = sandbox.readable_by([Path(sys.executable)], identity.FIRST_UID, identity.FIRST_UID)
+    uid_runs = identity.readable_by([Path(sys.executable)], identity.FIRST_UID, identity.FIRST_UID)
     assert f"isolated by: {'uid' if uid_runs else 'none'}" in own.stdout
     results = tmp_path / "results.json"
     asked = run_grader(

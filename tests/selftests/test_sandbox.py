@@ -29,7 +29,7 @@ from pathlib import Path
 import pytest
 from runner import REPO
 
-from grader import sandbox
+from grader import identity, sandbox
 from grader.sandbox import GUARANTEES, Level, Sandbox, SandboxError
 
 PROBE = r"""
@@ -143,9 +143,9 @@ PREFIXES = tuple(sorted({Path(sys.prefix).resolve(), Path(sys.base_prefix).resol
 
 def _python_for(uid: int) -> str:
     """An interpreter the uid can run: ours unless it lies in root's 0700 home."""
-    if sandbox.readable_by([Path(sys.executable)], uid, uid):
+    if identity.readable_by([Path(sys.executable)], uid, uid):
         return sys.executable
-    if not sandbox.readable_by([Path("/usr/bin/python3")], uid, uid):
+    if not identity.readable_by([Path("/usr/bin/python3")], uid, uid):
         pytest.skip(f"no Python interpreter that uid {uid} can run")
     return "/usr/bin/python3"
 
@@ -176,7 +176,7 @@ def _free_uid() -> int:
     """A uid no process uses: tests must not kill (or be killed with) anyone's nobody."""
     while True:
         uid = random.randrange(61000, 65000)
-        if not sandbox.pids_of(uid):
+        if not identity.pids_of(uid):
             return uid
 
 
@@ -353,7 +353,7 @@ def test_uid_level_confines_by_permissions(world: World) -> None:
     uid = _free_uid()
     (world.repo / "reference").chmod(0o700)  # what hides files at this level
     secret, ok = world.repo / "reference" / "collectives.py", world.repo / "grader" / "ok.py"
-    assert sandbox.readable_by([secret, ok], uid, uid) == [ok]
+    assert identity.readable_by([secret, ok], uid, uid) == [ok]
     seen = world.probe(world.sandbox(Level.UID, uid=uid, gid=uid), _python_for(uid))
     assert seen["secret"] == "PermissionError" and seen["readable"] == "readable\n"
     assert seen["write_scratch"] == "ok" and seen["write_repo"] == "PermissionError"
@@ -453,9 +453,9 @@ def test_uid_daemon_dies_by_kill_uid(world: World) -> None:
         assert _wait_until(lambda: daemon in _pids_with(world.token), 5)
         os.kill(proc.pid, signal.SIGKILL)  # torchrun dies: PDEATHSIG takes the rank
         assert _wait_until(lambda: _pids_with(world.token) == [daemon], 5)  # escaped
-        assert sandbox.kill_uid(uid) == 1
+        assert identity.kill_uid(uid) == 1
         assert _wait_until(lambda: not _pids_with(world.token), 3)
-        assert sandbox.pids_of(uid) == []
+        assert identity.pids_of(uid) == []
     finally:
         _kill_group(proc)
 
@@ -477,7 +477,7 @@ def test_detect_honours_requests_or_says_why(monkeypatch: pytest.MonkeyPatch) ->
 
 def test_kill_uid_refuses_the_graders_own_uid() -> None:
     with pytest.raises(SandboxError, match="refusing"):
-        sandbox.kill_uid(os.geteuid())
+        identity.kill_uid(os.geteuid())
 
 
 GLOO_JOB = """
