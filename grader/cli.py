@@ -100,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
             except ResultsPathError as err:
                 raise UsageError(str(err)) from err
         tests = select(collect(config, parts), args.keyword, args.world_sizes)
-        sandbox.detect(args.sandbox)  # a level this machine cannot give is a usage error
+        sandbox.requested(args.sandbox)  # $GRADER_SANDBOX too; the level is chosen by grade()
         if nodes is not None:
             nodes.per_node(max(t.world_size for t in tests))
     except (
@@ -155,9 +155,14 @@ def _run(
     console.print(
         f"Grading [bold]{escape(str(submission))}[/] ({len(tests)} tests)", highlight=False
     )
-    with _terminate_as_interrupt(), ProgressDisplay(console, len(tests)) as display:
-        listener = Listener(display.on_start, display.on_verdict)
-        run = grade(config, tests, submission, listener, sandbox_request, nodes)
+    try:
+        with _terminate_as_interrupt(), ProgressDisplay(console, len(tests)) as display:
+            listener = Listener(display.on_start, display.on_verdict)
+            for_course = results_file is not None  # batch, Gradescope and the image write one
+            run = grade(config, tests, submission, listener, sandbox_request, nodes, for_course)
+    except sandbox.SandboxError as err:  # before any test: no level can run the ranks here
+        print(f"grader: error: {err}", file=sys.stderr)
+        return EXIT_CANNOT_GRADE
     results, interrupted = run.results, run.interrupted
     seconds = time.monotonic() - start
     # The results file first: nothing that follows may lose it.

@@ -22,6 +22,8 @@ from typing import Any
 
 import yaml
 
+from grader.sandbox import DEFAULT_MEMORY, DEFAULT_SCRATCH, MiB
+
 CONFIG_ENV = "GRADER_CONFIG"
 _RELATIVE_CONFIG = Path("tests") / "graded" / "grading.yaml"
 _PACKAGE_CHECKOUT = Path(__file__).resolve().parent.parent
@@ -147,12 +149,26 @@ class PartConfig:
         return _settings(raw, f"{self.name}.tests.{test_name}", base=self.defaults, options=options)
 
 
+#: The ``limits:`` block: what each rank may use, in MiB (defaults: grader.sandbox's).
+LIMIT_KEYS = ("memory_per_rank_mib", "scratch_per_rank_mib")
+
+
+@dataclass(frozen=True)
+class RankLimits:
+    """What one rank may use (``limits:`` in grading.yaml); a rank past one is the
+    student's fault, told with the limit's name."""
+
+    memory_bytes: int = DEFAULT_MEMORY
+    scratch_bytes: int = DEFAULT_SCRATCH
+
+
 @dataclass(frozen=True)
 class GradingConfig:
     parts: dict[str, PartConfig]
     path: Path
     # Gradescope's top-level keys (GRADESCOPE_KEYS) to write into results.json.
     gradescope: dict[str, str] = field(default_factory=dict)
+    limits: RankLimits = field(default_factory=RankLimits)
 
     def part(self, name: str) -> PartConfig:
         if name not in self.parts:
@@ -186,7 +202,30 @@ def load_config(path: Path | None = None) -> GradingConfig:
         raise ConfigError(f"{path}: expected a mapping 'parts' with at least one part")
     parts = {name: _part(str(name), body, path.parent, path) for name, body in raw["parts"].items()}
     gradescope = _gradescope(raw.get("gradescope"), parts, path)
-    return GradingConfig(parts=parts, path=path, gradescope=gradescope)
+    limits = _limits(raw.get("limits"), path)
+    return GradingConfig(parts=parts, path=path, gradescope=gradescope, limits=limits)
+
+
+def _limits(body: Any, path: Path) -> RankLimits:
+    """The ``limits:`` block, in whole MiB (at least 16 each)."""
+    if body is None:
+        return RankLimits()
+    if not isinstance(body, dict):
+        raise ConfigError(f"{path}: 'limits' must be a mapping")
+    unknown = set(body) - set(LIMIT_KEYS)
+    if unknown:
+        raise ConfigError(
+            f"{path}: limits has unknown keys: {', '.join(sorted(map(str, unknown)))} "
+            f"(known: {', '.join(LIMIT_KEYS)})"
+        )
+    for key, value in body.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 16:
+            raise ConfigError(f"{path}: limits.{key} must be a whole number of MiB >= 16")
+    defaults = RankLimits()
+    return RankLimits(
+        memory_bytes=body.get("memory_per_rank_mib", defaults.memory_bytes // MiB) * MiB,
+        scratch_bytes=body.get("scratch_per_rank_mib", defaults.scratch_bytes // MiB) * MiB,
+    )
 
 
 def _gradescope(body: Any, parts: dict[str, PartConfig], path: Path) -> dict[str, str]:

@@ -11,6 +11,7 @@ test ends with one.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import io
 import os
@@ -25,12 +26,15 @@ from pathlib import Path
 import pytest
 
 from grader import config as course
+from grader import identity as uids
 from grader import protocol, sandbox
 from grader.catalog import GradedTest, WorldSizes, graded_pytest
-from grader.config import GradingConfig
+from grader.config import GradingConfig, RankLimits
+from grader.identity import Identity
 from grader.judge.audit import audit
 from grader.judge.plugin import GradingPlugin
 from grader.judge.verdict import Verdict
+from grader.launch.job import probe
 from grader.launch.nodes import Head, node_key, pack_folder
 from grader.launch.world import JobSettings
 from grader.options import Nodes, NodesError
@@ -45,7 +49,6 @@ _BROKEN = (
     pytest.ExitCode.INTERNAL_ERROR,
     pytest.ExitCode.NO_TESTS_COLLECTED,
 )
-MEMORY_PER_RANK = sandbox.DEFAULT_MEMORY
 
 
 @dataclass
@@ -73,14 +76,18 @@ def grade(
     listener: Listener,
     sandbox_request: str = "auto",
     nodes: Nodes | None = None,
+    for_course: bool = False,
 ) -> GradingRun:
     """Grade ``tests``: one result per test, in their order.
 
-    On Ctrl-C or SIGTERM, every job is killed and the tests not yet judged are
-    reported as not run.
+    ``for_course``: the results are a course's (a results file): never at ``none`` unless
+    that was asked for by name. A level that cannot run the ranks here raises
+    :class:`sandbox.SandboxError` before any test. On Ctrl-C or SIGTERM, every job is killed
+    and the tests not yet judged are reported as not run.
     """
-    level = sandbox.detect(sandbox_request)
     verdicts: dict[str, Verdict] = {}
+    level = sandbox.Level.NONE
+    identity: Identity | None = None
 
     def record(test: GradedTest, verdict: Verdict) -> None:
         verdicts[test.nodeid] = verdict
@@ -94,6 +101,13 @@ def grade(
         left_out = stage(submission, import_dir)
         staged = import_dir / "assignments"
         review = [f"left out of the submission: {line}" for line in left_out] + audit(staged)
+        if os.geteuid() == 0 and sys.platform == "linux":
+            identity = uids.reserve()
+        level = choose_level(
+            sandbox_request, for_course, lambda lv: job_settings(work, lv, "cpu", identity=identity)
+        )
+        if level is sandbox.Level.NONE and for_course:
+            review.insert(0, UNSANDBOXED)
         parts = dict.fromkeys(t.part for t in tests)
         problems = {part: problem_with(staged, part) for part in parts}
         runnable = []
@@ -104,15 +118,16 @@ def grade(
             else:
                 record(test, Verdict(*problem))
         if runnable:
+            settings = job_settings(work, level, _device(), None, config.limits, identity)
             interrupted, failure = _run(
-                config, runnable, work, level, listener.on_start, record, nodes, per_node
+                config, runnable, settings, listener.on_start, record, nodes, per_node
             )
     except KeyboardInterrupt:
         interrupted = True
     finally:
-        if level is sandbox.Level.UID:
-            sandbox.kill_uid(sandbox.NOBODY)
         shutil.rmtree(work, ignore_errors=True)
+        if identity is not None:
+            identity.release()
     for test in tests:
         if test.nodeid not in verdicts:
             reason = "grading was interrupted" if interrupted else "the grader stopped early"
@@ -123,30 +138,85 @@ def grade(
     return GradingRun(results, interrupted, level.value, failure, review, per_node)
 
 
+#: The review line of a course's run graded at ``none``, asked for by name.
+UNSANDBOXED = (
+    "graded WITHOUT a sandbox (--sandbox none was asked for): the submission's code could "
+    "read the reference, the graded tests and the secret"
+)
+#: How to get each level going, told when it cannot run the ranks.
+_FIXES = {
+    sandbox.Level.NAMESPACES: "run the grader as root, or where bubblewrap may bind the "
+    "course's paths read-only",
+    sandbox.Level.UID: "install Python and the grader where every user may read them (not "
+    "under a 0700 home), or install bubblewrap (apt-get install bubblewrap)",
+}
+
+
+def choose_level(
+    request: str, for_course: bool, settings_for: Callable[[sandbox.Level], JobSettings]
+) -> sandbox.Level:
+    """The strongest level asked for that really runs a rank here (:func:`probe`, with
+    the settings of this run); ``none`` for a course's run only when asked for by name.
+
+    Raises :class:`sandbox.SandboxError`, one line naming each level's cause and fix.
+    """
+    named = sandbox.requested(request)
+    tried: list[str] = []
+    for level in sandbox.candidates(request):
+        if level is sandbox.Level.NONE and for_course and named != "none":
+            tried.append(
+                "a run that writes results for a course does not grade unsandboxed "
+                "unless --sandbox none is given"
+            )
+            break
+        why = sandbox.unavailable(level)
+        if why is None and level is not sandbox.Level.NONE:
+            settings = settings_for(level)
+            why = probe(settings)
+            why = why and f"a rank cannot start: {why} ({_FIXES[level]})"
+            if why is None and level is sandbox.Level.UID:
+                why = _exposed(settings)
+        if why is None:
+            return level
+        tried.append(f"{level.value}: {why}")
+    raise sandbox.SandboxError("cannot sandbox the ranks here: " + "; ".join(tried))
+
+
+def _exposed(settings: JobSettings) -> str | None:
+    """At ``uid`` only permissions hide the course: which part a rank could read, if any."""
+    course_files = [course.REPO_ROOT / "reference", course.GRADED_DIR, secret_path()]
+    assert settings.identity is not None
+    uid = settings.identity.uid(0)
+    readable = uids.readable_by([p for p in course_files if p.exists()], uid, uid)
+    if not readable:
+        return None
+    return (
+        f"the ranks' uid can read {readable[0]} (make the course unreadable to others: "
+        f"chmod -R o-rwx {course.REPO_ROOT})"
+    )
+
+
 def _run(
     config: GradingConfig,
     tests: list[GradedTest],
-    work: Path,
-    level: sandbox.Level,
+    settings: JobSettings,
     on_start: Callable[[GradedTest], None],
     on_verdict: Callable[[GradedTest, Verdict], None],
     nodes: Nodes | None,
     per_node: list[str],
 ) -> tuple[bool, str | None]:
     """Run the tests; across nodes, ``per_node`` gets the sandbox level each node applied."""
-    import_dir = work / "import"
-    data.configure(secret(), _digest(import_dir))
-    device = _device()
+    data.configure(secret(), _digest(settings.import_dir))
     head = None
     if nodes is not None:
+        level = sandbox.Level(settings.sandbox)
         try:
-            head = _start_head(nodes, tests, import_dir, level, device)
+            head = _start_head(nodes, tests, settings.import_dir, level, settings.device)
         except NodesError as err:
             return False, str(err)
+        settings = dataclasses.replace(settings, head=head)
     try:
-        return _run_tests(
-            config, tests, job_settings(work, level, device, head), on_start, on_verdict
-        )
+        return _run_tests(config, tests, settings, on_start, on_verdict)
     finally:
         if head is not None:
             head.finish()
@@ -184,15 +254,22 @@ def _run_tests(
     if code in _BROKEN and failure is None:
         last = [line for line in said.getvalue().splitlines() if line.strip()][-1:]
         failure = f"pytest could not run the graded tests ({code.name}): {' '.join(last)}"
-    return code == pytest.ExitCode.INTERRUPTED, failure
+    # A grader failure stops the session too (the plugin): then the run broke, not paused.
+    return code == pytest.ExitCode.INTERRUPTED and failure is None, failure
 
 
 def job_settings(
-    work: Path, level: sandbox.Level, device: str, head: Head | None = None
+    work: Path,
+    level: sandbox.Level,
+    device: str,
+    head: Head | None = None,
+    limits: RankLimits | None = None,
+    identity: Identity | None = None,
 ) -> JobSettings:
     """What every job of a run shares; made the same way on every node of a run."""
     import_dir = work / "import"
     package = Path(__file__).resolve().parent
+    limits = limits or RankLimits()
     return JobSettings(
         work_dir=work,
         import_dir=import_dir,
@@ -200,9 +277,11 @@ def job_settings(
         hidden=tuple(p for p in _hidden(work) if p.exists()),
         readable=(package, import_dir, *_interpreter()),
         pythonpath=str(package.parent),
-        memory_bytes=MEMORY_PER_RANK,
+        memory_bytes=limits.memory_bytes,
         device=device,
         head=head,
+        scratch_bytes=limits.scratch_bytes,
+        identity=identity if level is not sandbox.Level.NONE else None,
     )
 
 

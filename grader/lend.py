@@ -16,11 +16,13 @@ refused; one that asks for more gets it, if this machine has it.
 from __future__ import annotations
 
 import contextlib
+import os
 import shutil
 import sys
 import tempfile
 from pathlib import Path
 
+from grader import identity as uids
 from grader import protocol, sandbox, wire
 from grader.grading import job_settings
 from grader.launch.job import TorchrunJob, node_job
@@ -77,10 +79,11 @@ def lend_ranks(nodes: Nodes, sandbox_request: str = "auto") -> int:
         return _fail(str(err))
     work = Path(tempfile.mkdtemp(prefix="grader-node-")).resolve()
     job: tuple[TorchrunJob, Path] | None = None
+    identity = uids.reserve() if os.geteuid() == 0 and sys.platform == "linux" else None
     try:
         work.chmod(0o711)
         unpack_folder(run.buffers[0], work / "import")
-        settings = job_settings(work, level, str(run.header["device"]))
+        settings = job_settings(work, level, str(run.header["device"]), identity=identity)
         wire.send_frame(link, Frame({"type": protocol.READY, "level": level.value}))
         print(
             f"node {nodes.rank}: joined the head at {nodes.endpoint} (sandbox: {level.value})",
@@ -101,9 +104,9 @@ def lend_ranks(nodes: Nodes, sandbox_request: str = "auto") -> int:
     finally:
         if job is not None:
             _end(job)
-        if level is sandbox.Level.UID:
-            sandbox.kill_uid(sandbox.NOBODY)
         shutil.rmtree(work, ignore_errors=True)
+        if identity is not None:  # this node's own uids: their processes end, nobody else's
+            identity.release()
 
 
 def _start(

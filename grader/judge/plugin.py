@@ -110,6 +110,8 @@ class GradingPlugin:
             running.phases_passed.add(report.when)
         elif running.failure is None:
             running.failure = self._verdict_of_failure(call, report)
+            if running.failure.grader_failure:  # e.g. no job starts: the run ends, exit 2
+                item.session.shouldstop = self.grader_failure
 
     def _verdict_of_failure(
         self, call: pytest.CallInfo[None], report: pytest.TestReport

@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -25,9 +27,10 @@ from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING
 
-from grader.launch.sandboxed import SandboxPlan, die_with_parent
+from grader.launch.sandboxed import SandboxPlan, die_with_parent, last_words
 
 if TYPE_CHECKING:
+    from grader.identity import Identity
     from grader.launch.world import JobSettings
     from grader.options import Nodes
 
@@ -57,12 +60,18 @@ class TorchrunJob:
     """``per_node`` ranks on this machine: the whole job, or this node's share of it."""
 
     def __init__(
-        self, job_dir: Path, per_node: int, module: str, rendezvous: Rendezvous | None = None
+        self,
+        job_dir: Path,
+        per_node: int,
+        module: str,
+        rendezvous: Rendezvous | None = None,
+        identity: Identity | None = None,
     ) -> None:
         self.job_dir = job_dir
         self.per_node = per_node
         self.module = module
         self.rendezvous = rendezvous
+        self.identity = identity  # its uids' processes are ended with the job
         self._process: subprocess.Popen[bytes] | None = None
         # The ranks' pids as they report them: ended too, even if torchrun is gone already.
         self.worker_pids: set[int] = set()
@@ -106,6 +115,8 @@ class TorchrunJob:
             _signal(pid, signal.SIGKILL)
         _signal_group(self._process.pid, signal.SIGKILL)
         self._process.wait()
+        if self.identity is not None:  # a daemon that escaped the process tree
+            self.identity.end_jobs()
 
     def log_tail(self, lines: int = 5) -> str:
         return log_tail(self.job_dir, lines)
@@ -199,7 +210,8 @@ def node_job(
     relay = {"broker": broker, "job": job_id, "key": key.hex()}
     socket_dir = prepare_job(settings, job_dir, relay)
     rendezvous = Rendezvous(nodes.count, nodes.endpoint, job_id)
-    return TorchrunJob(job_dir, per_node, RANK_WRAPPER, rendezvous), socket_dir
+    job = TorchrunJob(job_dir, per_node, RANK_WRAPPER, rendezvous, settings.identity)
+    return job, socket_dir
 
 
 def prepare_job(settings: JobSettings, job_dir: Path, relay: dict[str, str]) -> Path:
@@ -221,6 +233,8 @@ def prepare_job(settings: JobSettings, job_dir: Path, relay: dict[str, str]) -> 
         readable=[str(p) for p in settings.readable],
         pythonpath=settings.pythonpath,
         memory_bytes=settings.memory_bytes,
+        scratch_bytes=settings.scratch_bytes,
+        first_uid=settings.identity.first if settings.identity else None,
         device=settings.device,
         **relay,
     ).write(job_dir)
@@ -230,3 +244,39 @@ def prepare_job(settings: JobSettings, job_dir: Path, relay: dict[str, str]) -> 
 def _short_tmp() -> str | None:
     """/tmp when it is writable (short paths), else the system's temporary directory."""
     return "/tmp" if os.access("/tmp", os.W_OK | os.X_OK) else None
+
+
+PROBE_SECONDS = 60.0  # torch's import in the sandbox, on a loaded machine
+
+
+def probe(settings: JobSettings) -> str | None:
+    """Why a rank of a job with ``settings`` cannot start here, or None when it can.
+
+    Rank 0's wrapper runs as torchrun would start it, in probe mode: the same sandbox
+    command, paths, uid and limits as a graded job, importing the interpreter's torch and
+    the grader's rank side instead of serving calls. Seconds, once per run.
+    """
+    job_dir = settings.work_dir / "probe"
+    socket_dir = prepare_job(settings, job_dir, {})
+    env = {**os.environ, "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"}
+    command = [sys.executable, "-m", RANK_WRAPPER, str(job_dir), "--probe"]
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)  # bound in, as the broker's
+    listener.bind(str(socket_dir / "rank0.sock"))
+    try:
+        done = subprocess.run(
+            command, env=env, capture_output=True, timeout=PROBE_SECONDS, start_new_session=True
+        )
+    except subprocess.TimeoutExpired:
+        return f"a rank did not start within {PROBE_SECONDS:.0f} s"
+    finally:
+        listener.close()
+        if settings.identity is not None:
+            settings.identity.end_jobs()
+        shutil.rmtree(socket_dir, ignore_errors=True)
+    if done.returncode == 0:
+        shutil.rmtree(job_dir, ignore_errors=True)
+        return None
+    said = [line.strip() for line in done.stderr.decode(errors="replace").splitlines()]
+    words = last_words(job_dir, 0) or next((line for line in reversed(said) if line), "")
+    shutil.rmtree(job_dir, ignore_errors=True)
+    return words or f"the rank's wrapper exited with status {done.returncode}"

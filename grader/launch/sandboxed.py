@@ -16,16 +16,22 @@ import json
 import os
 import signal
 import socket
-import subprocess
 import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from grader.launch.relay import Relay
 from grader.protocol import RankExit, clean
-from grader.sandbox import Level, Sandbox
+from grader.sandbox import DEFAULT_SCRATCH, NOBODY, Level, Sandbox
 
 _PR_SET_PDEATHSIG = 1
+#: What ``--probe`` runs in rank 0's sandbox instead of the worker: the interpreter, and
+#: the sources of the grader's rank side and of torch opened through the very binds a graded
+#: job uses (not imported: torch's import would cost seconds more).
+PROBE = (
+    "import importlib.util as u\n"
+    "for name in ('grader.rank.worker', 'torch'):\n"
+    "    open(u.find_spec(name).origin, 'rb').close()"
+)
 
 
 @dataclass(frozen=True)
@@ -39,6 +45,10 @@ class SandboxPlan:
     readable: list[str]
     pythonpath: str
     memory_bytes: int
+    scratch_bytes: int = DEFAULT_SCRATCH
+    # As root, local rank r runs as first_uid + r (grader.identity); otherwise every rank is
+    # nobody in a user namespace of its own.
+    first_uid: int | None = None
     device: str = "cpu"
     # A job across nodes: every rank relays to the head's broker at this address.
     broker: str = ""
@@ -90,10 +100,11 @@ def die_with_parent() -> None:
         ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
 
 
-def main(job_dir: Path) -> int:
+def main(job_dir: Path, probe: bool = False) -> int:
     die_with_parent()
     plan = SandboxPlan.read(job_dir)
     rank = int(os.environ["RANK"])
+    local_rank = int(os.environ.get("LOCAL_RANK", rank))
     socket_path = Path(plan.socket_dir) / f"rank{rank}.sock"
     listener = None
     if plan.broker:  # a job across nodes: this wrapper relays its rank to the head's broker
@@ -103,13 +114,14 @@ def main(job_dir: Path) -> int:
     env = {
         "RANK": str(rank),
         "WORLD_SIZE": os.environ["WORLD_SIZE"],
-        "LOCAL_RANK": os.environ.get("LOCAL_RANK", str(rank)),
+        "LOCAL_RANK": str(local_rank),
         "PYTHONPATH": plan.pythonpath,
         "PYTHONDONTWRITEBYTECODE": "1",
         "PYTHONUNBUFFERED": "1",
         "OMP_NUM_THREADS": "1",
         "GRADER_DEVICE": plan.device,
     }
+    uid = NOBODY if plan.first_uid is None else plan.first_uid + local_rank
     sandbox = Sandbox(
         Level(plan.level),
         job_dir / "scratch" / f"rank{rank}",
@@ -118,19 +130,17 @@ def main(job_dir: Path) -> int:
         sockets=(socket_path,),
         env=env,
         memory_bytes=plan.memory_bytes,
+        scratch_bytes=plan.scratch_bytes,
+        max_file_bytes=plan.scratch_bytes,
+        uid=uid,
+        gid=uid,
     )
     sandbox.prepare()
     argv = [sys.executable, "-m", "grader.rank.worker", str(socket_path), plan.import_dir]
+    if probe:
+        argv = [sys.executable, "-c", PROBE]
     with open(log_path(job_dir, rank), "wb") as log:
-        child = subprocess.Popen(
-            sandbox.command(argv),
-            env=sandbox.environment(),
-            preexec_fn=sandbox.pre_exec,
-            stdin=subprocess.DEVNULL,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            cwd=sandbox.scratch,
-        )
+        child = sandbox.popen(argv, log)
 
     def forward(signum: int, frame: object) -> None:
         with contextlib.suppress(ProcessLookupError):
@@ -141,6 +151,8 @@ def main(job_dir: Path) -> int:
     if listener is None:
         code = child.wait()
     else:
+        from grader.launch.relay import Relay  # across nodes only: it imports torch
+
         relay = Relay(listener, child, plan.broker, bytes.fromhex(plan.key))
         code = relay.run(plan.job, rank, lambda: last_words(job_dir, rank))
     exit_path(job_dir, rank).write_text(str(code))
@@ -148,4 +160,4 @@ def main(job_dir: Path) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(Path(sys.argv[1])))
+    sys.exit(main(Path(sys.argv[1]), probe="--probe" in sys.argv[2:]))

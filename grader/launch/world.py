@@ -30,9 +30,11 @@ from grader.failures import Fault
 from grader.launch.job import RANK_WRAPPER, TorchrunJob, log_tail, node_job, prepare_job
 from grader.launch.sandboxed import last_words, rank_exit
 from grader.protocol import RankError, RankExit
+from grader.sandbox import DEFAULT_SCRATCH, limit_reached
 from grader.wire import Frame
 
 if TYPE_CHECKING:
+    from grader.identity import Identity
     from grader.launch.nodes import Head
 
 _START_SECONDS = 120.0  # torch's import on a loaded laptop, times every rank
@@ -51,6 +53,8 @@ class JobSettings:
     memory_bytes: int
     device: str = "cpu"
     head: Head | None = None  # a job across nodes: this grader is node 0 (grader.launch.nodes)
+    scratch_bytes: int = DEFAULT_SCRATCH
+    identity: Identity | None = None  # as root: the run's own uids, a uid per local rank
 
 
 @dataclass
@@ -224,7 +228,7 @@ class RankPool:
         if head is None:
             socket_dir = prepare_job(self.settings, job_dir, {})
             broker.listen_unix(socket_dir)
-            job = TorchrunJob(job_dir, self.size, RANK_WRAPPER)
+            job = TorchrunJob(job_dir, self.size, RANK_WRAPPER, identity=self.settings.identity)
         else:  # every rank, this node's too, relays to the broker via the head
             job_id = f"grader-job{self._jobs}"
             per_node = head.nodes.per_node(self.size)
@@ -336,6 +340,8 @@ def _student_failure(
         name = first.raiser or "the function"
         return failures.NotImplementedYet(f"not implemented yet: {name} raises NotImplementedError")
     text = f"{who}: {first.type}: {first.message}".rstrip(": ") + first.where() + suffix
+    if limit := limit_reached(f"{first.type}: {first.message}"):
+        text += f"; the rank reached its sandbox's limit on {limit}"
     others = [r for r in own if r not in same]
     if others:
         text += f"; rank {others[0]} also raised {own[others[0]].type}"

@@ -92,6 +92,27 @@ def test_a_bad_gradescope_block_is_one_clear_line(course: Path, block: str, mess
         load_config(course)
 
 
+def test_the_limits_block_sets_each_ranks_memory_and_scratch(course: Path):
+    assert load_config(course).limits == config.RankLimits()  # the sandbox's defaults
+    course.write_text(course.read_text() + "limits:\n  memory_per_rank_mib: 1536\n")
+    limits = load_config(course).limits
+    assert limits.memory_bytes == 1536 << 20 and limits.scratch_bytes == 64 << 20
+
+
+@pytest.mark.parametrize(
+    ("block", "message"),
+    [
+        ("limits:\n  memory: 1G\n", "limits has unknown keys: memory"),
+        ("limits:\n  scratch_per_rank_mib: 1.5\n", "limits.scratch_per_rank_mib must be a whole"),
+        ("limits: 1024\n", "'limits' must be a mapping"),
+    ],
+)
+def test_a_bad_limits_block_is_one_clear_line(course: Path, block: str, message: str):
+    course.write_text(course.read_text() + block)
+    with pytest.raises(ConfigError, match=message):
+        load_config(course)
+
+
 def test_stdout_cannot_be_shown_while_a_test_is_hidden(course: Path):
     edit(course, "stdout_visibility: hidden", "stdout_visibility: visible")
     load_config(course)  # every test visible: fine

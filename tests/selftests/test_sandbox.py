@@ -8,8 +8,10 @@ token in its argv, so that the test can find it in /proc and prove that none is 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
+import platform
 import random
 import shutil
 import signal
@@ -27,11 +29,11 @@ from pathlib import Path
 import pytest
 from runner import REPO
 
-from grader import sandbox
+from grader import identity, sandbox
 from grader.sandbox import GUARANTEES, Level, Sandbox, SandboxError
 
 PROBE = r"""
-import json, os, socket, sys, time
+import ctypes, fcntl, json, os, socket, sys, time
 mode, token, repo, port, sock = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5]
 
 def attempt(action):
@@ -54,7 +56,42 @@ def unix():
         s.sendall(b"ping")
         return s.recv(64).decode()
 
-if mode.startswith("probe"):
+libc = ctypes.CDLL(None, use_errno=True)
+
+def syscall(number, *args):
+    if libc.syscall(number, *args) < 0:
+        raise OSError(ctypes.get_errno(), os.strerror(ctypes.get_errno()))
+
+def fill(path, megabytes):
+    with open(path, "wb") as f:
+        for _ in range(megabytes):
+            f.write(bytes(1 << 20))
+
+def open_many(count):
+    files = [open("/etc/passwd") for _ in range(count)]
+    for f in files:
+        f.close()
+
+KERNEL = {  # channels no namespace separates: the seccomp filter refuses each
+    "lockf": lambda: fcntl.lockf(os.open("/etc/passwd", os.O_RDONLY), fcntl.LOCK_SH),  # F_SETLK
+    "flock": lambda: fcntl.flock(os.open("/etc/passwd", os.O_RDONLY), fcntl.LOCK_SH),
+    "add_key": lambda: syscall(248, b"user", b"side-channel-probe", b"x", 1, -4),  # x86-64
+    "keyctl": lambda: syscall(250, 0, -4, 0),  # KEYCTL_GET_KEYRING_ID of the user keyring
+    "ptrace": lambda: syscall(101, 16, os.getppid(), 0, 0),  # PTRACE_ATTACH
+    "shmget": lambda: syscall(29, 0, 4096, 0o1600),  # IPC_PRIVATE | IPC_CREAT
+    "unshare": lambda: syscall(272, 0x10000000),  # CLONE_NEWUSER
+    "thread": lambda: __import__("threading").Thread(target=int).start(),  # clone3 falls back
+}
+
+if mode == "locks":
+    print(json.dumps({k: attempt(KERNEL[k]) for k in ("lockf", "flock")}), flush=True)
+elif mode == "kernel":
+    limits = {
+        "fill_scratch": attempt(lambda: fill("big.bin", int(sys.argv[6]) * 2)),
+        "open_files": attempt(lambda: open_many(int(sys.argv[7]) + 8)),
+    }
+    print(json.dumps({**{k: attempt(v) for k, v in KERNEL.items()}, **limits}), flush=True)
+elif mode.startswith("probe"):
     print(json.dumps({
         "secret": attempt(lambda: open(f"{repo}/reference/collectives.py").read()),
         "readable": attempt(lambda: open(f"{repo}/grader/ok.py").read()),
@@ -106,9 +143,9 @@ PREFIXES = tuple(sorted({Path(sys.prefix).resolve(), Path(sys.base_prefix).resol
 
 def _python_for(uid: int) -> str:
     """An interpreter the uid can run: ours unless it lies in root's 0700 home."""
-    if sandbox.readable_by([Path(sys.executable)], uid, uid):
+    if identity.readable_by([Path(sys.executable)], uid, uid):
         return sys.executable
-    if not sandbox.readable_by([Path("/usr/bin/python3")], uid, uid):
+    if not identity.readable_by([Path("/usr/bin/python3")], uid, uid):
         pytest.skip(f"no Python interpreter that uid {uid} can run")
     return "/usr/bin/python3"
 
@@ -139,7 +176,7 @@ def _free_uid() -> int:
     """A uid no process uses: tests must not kill (or be killed with) anyone's nobody."""
     while True:
         uid = random.randrange(61000, 65000)
-        if not sandbox._pids_of(uid):
+        if not identity.pids_of(uid):
             return uid
 
 
@@ -189,6 +226,9 @@ class World:
             **{k: [str(p) for p in getattr(box, k)] for k in ("hidden", "readable", "sockets")},
             "env": dict(box.env),
             "memory_bytes": box.memory_bytes,
+            "scratch_bytes": box.scratch_bytes,
+            "max_file_bytes": box.max_file_bytes,
+            "max_open_files": box.max_open_files,
             "uid": box.uid,
             "gid": box.gid,
             "argv": argv,
@@ -284,8 +324,8 @@ needs_uid = pytest.mark.skipif(bool(_available(Level.UID)), reason=str(_availabl
 def test_namespaces_hide_confine_and_cap(world: World) -> None:
     seen = world.probe(world.sandbox(Level.NAMESPACES))
     assert seen["secret"] == "FileNotFoundError"  # masked by an empty tmpfs
-    assert seen["readable"] == "readable\n" and (world.base / "scratch" / "mine.txt").exists()
-    assert seen["write_scratch"] == "ok"
+    assert seen["readable"] == "readable\n" and seen["write_scratch"] == "ok"
+    assert not (world.base / "scratch" / "mine.txt").exists()  # a tmpfs: not the host's disk
     assert seen["write_repo"] in ("OSError", "PermissionError")  # read-only
     assert not (world.repo / "grader" / "evil.py").exists()
     assert not (Path("/tmp") / world.token).exists()  # a private /tmp, if any
@@ -299,12 +339,21 @@ def test_namespaces_hide_confine_and_cap(world: World) -> None:
     assert seen["cwd"] == seen["home"] == str(world.base / "scratch")
 
 
+@needs_namespaces
+def test_a_hidden_folder_inside_a_later_hidden_one(world: World) -> None:
+    """A course in a home directory: both hidden, the home after the course (issue 14's
+    student laptop, where bwrap could not remount the buried mount point read-only)."""
+    box = world.sandbox(Level.NAMESPACES)
+    seen = world.probe(dataclasses.replace(box, hidden=(world.repo, world.base)))
+    assert seen["secret"] == "FileNotFoundError" and seen["readable"] == "readable\n"
+
+
 @needs_uid
 def test_uid_level_confines_by_permissions(world: World) -> None:
     uid = _free_uid()
     (world.repo / "reference").chmod(0o700)  # what hides files at this level
     secret, ok = world.repo / "reference" / "collectives.py", world.repo / "grader" / "ok.py"
-    assert sandbox.readable_by([secret, ok], uid, uid) == [ok]
+    assert identity.readable_by([secret, ok], uid, uid) == [ok]
     seen = world.probe(world.sandbox(Level.UID, uid=uid, gid=uid), _python_for(uid))
     assert seen["secret"] == "PermissionError" and seen["readable"] == "readable\n"
     assert seen["write_scratch"] == "ok" and seen["write_repo"] == "PermissionError"
@@ -315,6 +364,42 @@ def test_uid_level_confines_by_permissions(world: World) -> None:
     assert seen["cwd"] == seen["home"] == str(world.base / "scratch")
     # What this level does not do, as GUARANTEES says: /tmp is shared with the host.
     assert seen["write_tmp"] == "ok" and "/tmp" in GUARANTEES[Level.UID]
+
+
+x86_64 = pytest.mark.skipif(platform.machine() != "x86_64", reason="the probe's syscall numbers")
+
+
+@x86_64
+@pytest.mark.parametrize(
+    "level",
+    [
+        pytest.param(Level.NAMESPACES, marks=needs_namespaces),
+        pytest.param(Level.UID, marks=needs_uid),
+    ],
+)
+def test_kernel_objects_are_refused_and_limits_hold(world: World, level: Level) -> None:
+    """The seccomp filter's channels are closed at both levels (syscall_filter's list), and
+    a rank cannot fill more than its scratch nor open more files than its cap."""
+    uid = _free_uid() if level is Level.UID else sandbox.NOBODY
+    limits = {"scratch_bytes": 8 << 20, "max_file_bytes": 8 << 20, "max_open_files": 64}
+    box = world.sandbox(level, uid=uid, gid=uid, **limits)
+    code, out, err = world.run(box, [*world.argv("kernel", _python_for(uid)), "8", "64"])
+    assert code == 0, err
+    seen = json.loads(out)
+    refused = {"lockf", "flock", "add_key", "keyctl", "ptrace", "shmget", "unshare"}
+    assert {k: seen[k] for k in refused} == dict.fromkeys(refused, "PermissionError")
+    assert seen["thread"] == "ok"  # clone3's ENOSYS: the C library falls back to clone
+    assert seen["fill_scratch"] == "OSError" and seen["open_files"] == "OSError"
+    big = world.base / "scratch" / "big.bin"
+    assert not big.exists() if level is Level.NAMESPACES else big.stat().st_size <= 8 << 20
+
+
+@x86_64
+def test_without_the_filter_a_lock_is_a_channel(world: World) -> None:
+    """What the filter closes is real: at ``none`` the same lock calls succeed."""
+    code, out, err = world.run(world.sandbox(Level.NONE), world.argv("locks"))
+    seen = json.loads(out)
+    assert code == 0 and seen["lockf"] == seen["flock"] == "ok", err
 
 
 def test_none_level_runs_as_is(world: World) -> None:
@@ -348,8 +433,8 @@ def test_torch_imports_at_the_default_cap(world: World, level: Level) -> None:
 def test_namespaces_daemon_dies_with_the_parent(world: World) -> None:
     proc = world.launch(world.sandbox(Level.NAMESPACES), world.argv("daemon"))
     try:
-        assert _wait_until(lambda: (world.base / "scratch" / "daemon.pid").exists(), 20)
-        assert _wait_until(lambda: len(_pids_with(world.token)) >= 4, 5)  # +bwrap, probe, daemon
+        # The scratch is the sandbox's own tmpfs: count the processes (+bwrap, probe, daemon).
+        assert _wait_until(lambda: len(_pids_with(world.token)) >= 4, 30)
         os.kill(proc.pid, signal.SIGKILL)  # torchrun dies
         assert _wait_until(lambda: not _pids_with(world.token), 5), _pids_with(world.token)
     finally:
@@ -368,9 +453,9 @@ def test_uid_daemon_dies_by_kill_uid(world: World) -> None:
         assert _wait_until(lambda: daemon in _pids_with(world.token), 5)
         os.kill(proc.pid, signal.SIGKILL)  # torchrun dies: PDEATHSIG takes the rank
         assert _wait_until(lambda: _pids_with(world.token) == [daemon], 5)  # escaped
-        assert sandbox.kill_uid(uid) == 1
+        assert identity.kill_uid(uid) == 1
         assert _wait_until(lambda: not _pids_with(world.token), 3)
-        assert sandbox._pids_of(uid) == []
+        assert identity.pids_of(uid) == []
     finally:
         _kill_group(proc)
 
@@ -382,17 +467,17 @@ def test_detect_honours_requests_or_says_why(monkeypatch: pytest.MonkeyPatch) ->
     with pytest.raises(SandboxError, match="unknown sandbox level"):
         sandbox.detect("chroot")
     monkeypatch.setattr(sandbox.shutil, "which", lambda _: None)
-    sandbox._namespaces_fail.cache_clear()
+    sandbox.unavailable.cache_clear()
     try:
         with pytest.raises(SandboxError, match="bwrap is not installed"):
             sandbox.detect("namespaces")
     finally:
-        sandbox._namespaces_fail.cache_clear()
+        sandbox.unavailable.cache_clear()
 
 
 def test_kill_uid_refuses_the_graders_own_uid() -> None:
     with pytest.raises(SandboxError, match="refusing"):
-        sandbox.kill_uid(os.geteuid())
+        identity.kill_uid(os.geteuid())
 
 
 GLOO_JOB = """
@@ -401,8 +486,8 @@ dist.init_process_group("gloo")
 t = torch.ones(1 << 20)
 dist.all_reduce(t)
 peak = re.search(r"VmPeak:\\s+(\\d+)", open("/proc/self/status").read()).group(1)
-with open(f"rank{dist.get_rank()}.txt", "w") as f:  # not stdout: lines of ranks interleave
-    f.write(f"sum {int(t[0])} VmPeak_MiB {int(peak) // 1024}")
+# One short line, one write: whole lines on the shared stdout (the scratch is the rank's own).
+print(f"rank{dist.get_rank()} sum {int(t[0])} VmPeak_MiB {int(peak) // 1024}", flush=True)
 dist.destroy_process_group()
 """
 
@@ -410,13 +495,13 @@ dist.destroy_process_group()
 @needs_namespaces
 def test_a_four_rank_gloo_job_runs_inside_at_the_default_cap(world: World) -> None:
     """torch's address space at 4 ranks (printed; ~0.9 GiB on 2 cores) fits the default."""
-    (world.base / "scratch").mkdir()
-    (world.base / "scratch" / "job.py").write_text(GLOO_JOB)
+    job = world.repo / "grader" / "job.py"  # bound in read-only
+    job.write_text(GLOO_JOB)
     box = world.sandbox(Level.NAMESPACES, memory_bytes=sandbox.DEFAULT_MEMORY)
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-    argv = [*torchrun, "--nproc_per_node=4", "--log-dir", "logs", "job.py", world.token]
-    code, _, err = world.run(box, argv, timeout=90)
+    argv = [*torchrun, "--nproc_per_node=4", "--log-dir", "logs", str(job), world.token]
+    code, out, err = world.run(box, argv, timeout=90)
     assert code == 0, err[-2000:]
-    reports = [(world.base / "scratch" / f"rank{r}.txt").read_text() for r in range(4)]
-    assert all(report.startswith("sum 4 ") for report in reports), reports
+    reports = sorted(line for line in out.splitlines() if line.startswith("rank"))
+    assert [r.split(" VmPeak")[0] for r in reports] == [f"rank{r} sum 4" for r in range(4)]
     print(reports)
