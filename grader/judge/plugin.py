@@ -110,7 +110,7 @@ class GradingPlugin:
             running.phases_passed.add(report.when)
         elif running.failure is None:
             running.failure = self._verdict_of_failure(call, report)
-            if running.failure.grader_failure:  # e.g. no job starts: the run ends, exit 2
+            if self.grader_failure is not None:  # e.g. no job starts: the run ends, exit 2
                 item.session.shouldstop = self.grader_failure
 
     def _verdict_of_failure(
