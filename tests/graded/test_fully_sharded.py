@@ -422,10 +422,18 @@ def test_communication(world: World, options: dict, record: TestRecord, dtype: s
             )
         sizes = sorted(e.nbytes for e in scatters)
         want = sorted(shard_bytes[n] * p * 4 for n in SHARDED_PARAMS)
+        reduced = [e.nbytes for phase in ("backward", "finish") for _, e in by_phase[phase]
+                   if e.op == "all_reduce" and e.nbytes in want]  # fmt: skip
+        in_full = (
+            "; the sharded gradients are all-reduced in full: reduce-scatter them, a rank "
+            "needs only its shard's sum"
+            if reduced
+            else ""
+        )
         require(
             sizes == want,
             f"the reduce-scatters carry {sizes} bytes; expected one per sharded parameter, "
-            f"its padded gradient of p*s float32 elements: {want}",
+            f"its padded gradient of p*s float32 elements: {want}{in_full}",
         )
         step = [e for phase in by_phase.values() for _, e in phase if e.op != "mark"]
         total = sum(moved(e) for e in step)

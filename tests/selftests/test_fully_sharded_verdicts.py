@@ -40,68 +40,65 @@ def test_stubs_fail_everything_as_not_implemented(grade) -> None:
         assert test["score"] == 0
 
 
+def failed_because(graded, name: str, *causes: str, outcome: str = "failed") -> None:
+    """``name`` at world size 2 has ``outcome``, and its message names every one of ``causes``."""
+    message = graded.message(name, 2)
+    assert graded.outcome(name, 2) == outcome, (name, message)
+    for cause in causes:
+        assert cause in message, message
+
+
 def test_no_division_by_p_is_named(grade) -> None:
     graded = grade("fsdp_no_division", PART, k="gradient_shards", world_sizes=(2,))
-    message = graded.message("gradient_shards[float32]", 2)
-    assert graded.outcome("gradient_shards[float32]", 2) == "failed"
-    assert "2x the mean: divide the sum by p" in message, message
+    failed_because(graded, "gradient_shards[float32]", "2x the mean: divide the sum by p")
 
 
 def test_padding_leaking_into_weights_fails_training(grade) -> None:
     graded = grade("fsdp_padding_leaks", PART, k="training", world_sizes=(2,))
     for case in ("sgd-float32", "adamw-float32"):
-        assert graded.outcome(f"training[{case}]", 2) == "failed"
-        assert "padding" in graded.message(f"training[{case}]", 2)
+        failed_because(graded, f"training[{case}]", "padding of the last shard")
 
 
 def test_full_weights_kept_after_forward_fail_memory(grade) -> None:
     graded = grade("fsdp_keeps_full_weights", PART, k="memory", world_sizes=(2,))
     for dtype in ("float32", "bfloat16"):
-        message = graded.message(f"memory_at_rest[{dtype}]", 2)
-        assert graded.outcome(f"memory_at_rest[{dtype}]", 2) == "failed"
-        assert "the backward gathers no" in message and "freed after forward" in message, message
+        failed_because(
+            graded, f"memory_at_rest[{dtype}]", "the backward gathers no", "freed after forward"
+        )
 
 
 def test_everything_gathered_up_front_fails_only_communication(grade) -> None:
     graded = grade("fsdp_gathers_up_front", PART, k="float32]", world_sizes=(2,))
     assert graded.outcome("memory_at_rest[float32]", 2) == "passed"
-    message = graded.message("communication[float32]", 2)
-    assert graded.outcome("communication[float32]", 2) == "failed"
-    assert "prefetch at most two layers ahead" in message, message
+    failed_because(graded, "communication[float32]", "prefetch at most two layers ahead")
 
 
 def test_backward_gathers_in_forward_order(grade) -> None:
     graded = grade("fsdp_backward_forward_order", PART, k="communication", world_sizes=(2,))
-    message = graded.message("communication[float32]", 2)
-    assert graded.outcome("communication[float32]", 2) == "failed"
-    assert "backward gathers the layers in the order ['fc1', 'fc2', 'head']" in message
+    order = "backward gathers the layers in the order ['fc1', 'fc2', 'head']"
+    failed_because(graded, "communication[float32]", order)
 
 
 def test_gradients_reduced_in_float16(grade) -> None:
     graded = grade("fsdp_grads_float16", PART, k="communication", world_sizes=(2,))
     assert graded.outcome("communication[float32]", 2) == "passed"
-    message = graded.message("communication[float16]", 2)
-    assert graded.outcome("communication[float16]", 2) == "failed"
-    assert "carries float16: gradients are reduce-scattered in float32" in message, message
+    cause = "carries float16: gradients are reduce-scattered in float32"
+    failed_because(graded, "communication[float16]", cause)
 
 
 def test_gradients_all_reduced_at_full_shape(grade) -> None:
     graded = grade("fsdp_grads_full_shape", PART, k="communication", world_sizes=(2,))
-    message = graded.message("communication[float32]", 2)
-    assert graded.outcome("communication[float32]", 2) == "failed"
-    assert "expected one per sharded parameter" in message, message
+    failed_because(graded, "communication[float32]", "all-reduced in full: reduce-scatter")
 
 
 def test_cast_after_communication(grade) -> None:
     graded = grade("fsdp_cast_after_gather", PART, world_sizes=(2,))
     assert graded.outcome("communication[float32]", 2) == "passed"
     for name in ("memory_at_rest[bfloat16]", "communication[float16]"):
-        assert graded.outcome(name, 2) == "failed"
-        assert "cast BEFORE communicating" in graded.message(name, 2), graded.message(name, 2)
+        failed_because(graded, name, "cast BEFORE communicating")
 
 
 def test_indivisible_parameter_count(grade) -> None:
     graded = grade("fsdp_assumes_divisible", PART, k="sgd-float32", world_sizes=(2,))
-    message = graded.message("training[sgd-float32]", 2)
-    assert graded.outcome("training[sgd-float32]", 2) == "error"
-    assert message.startswith("the ranks disagree on a collective: rank 0 calls all_gather of ")
+    disagree = "the ranks disagree on a collective: rank 0 calls all_gather of "
+    failed_because(graded, "training[sgd-float32]", disagree, outcome="error")
