@@ -41,6 +41,8 @@ class FullyShardedDataParallel(nn.Module):
           parameter (the same `nn.Parameter` object, so `module.parameters()` and any optimizer
           see it) has `.data` equal to this float32 shard, of shape `(s,)`.
         - `self.module` is `module`. Sharded layers run in their registration order in forward.
+        - Keep `module`'s submodules and parameters as they are (the same objects, at the same
+          names): hook them, do not replace or wrap them. The tests hook them too.
 
     forward(*args, **kwargs)
         Returns what `module(*args, **kwargs)` would with the full weights, differentiably.
