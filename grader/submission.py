@@ -27,6 +27,7 @@ DEFAULT_MODULES = (
     "data_parallel.py",
     "tensor_parallel.py",
     "pipeline_parallel.py",
+    "fully_sharded.py",
     "context_parallel.py",
 )
 # Folders an archive or an operating system adds, never a student's repository.

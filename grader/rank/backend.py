@@ -129,7 +129,25 @@ class BrokerGroup(dist.ProcessGroup):
         flat = [t for per_rank in inputs for t in per_rank]
         return self._collective("reduce_scatter", flat, outputs, reduce_op=_op_name(opts))
 
-    def alltoall_base(
+    def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any) -> BrokerWork:
+        """``all_gather_into_tensor`` (``all_gather_single`` in torch 2.13): rank r's input
+        lands in the r-th of ``p`` equal, consecutive pieces of ``output``."""
+        pieces = _pieces(output, input.numel(), self.size(), "output", "input")
+        return self._collective("all_gather", [input], pieces)
+
+    _allgather_base = all_gather_single  # the name before torch 2.13
+
+    def reduce_scatter_single(
+        self, output: torch.Tensor, input: torch.Tensor, opts: Any
+    ) -> BrokerWork:
+        """``reduce_scatter_tensor``: the r-th of ``p`` equal pieces of ``input``, reduced over
+        the ranks, lands in rank r's ``output``."""
+        pieces = _pieces(input, output.numel(), self.size(), "input", "output")
+        return self._collective("reduce_scatter", pieces, [output], reduce_op=_op_name(opts))
+
+    _reduce_scatter_base = reduce_scatter_single
+
+    def all_to_all_single(
         self,
         output: torch.Tensor,
         input: torch.Tensor,
@@ -137,9 +155,13 @@ class BrokerGroup(dist.ProcessGroup):
         input_splits: list[int],
         opts: Any,
     ) -> BrokerWork:
-        pieces = _split(input, input_splits, self.size())
-        outputs = _split(output, output_splits, self.size())
+        """Rows ``input_splits[j]`` of ``input`` go to rank j; rank j's rows for this rank land in
+        ``output``'s ``output_splits[j]`` rows (equal splits of the first dimension if empty)."""
+        pieces = _split(input, input_splits, self.size(), "input")
+        outputs = _split(output, output_splits, self.size(), "output")
         return self._collective("all_to_all", pieces, outputs)
+
+    alltoall_base = all_to_all_single  # the name before torch 2.13
 
     def alltoall(
         self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any
@@ -223,10 +245,40 @@ def _fill(tensor: torch.Tensor, buffer: bytes) -> None:
             tensor.copy_(data.view(tensor.shape))
 
 
-def _split(tensor: torch.Tensor, sizes: list[int], parts: int) -> list[torch.Tensor]:
+def _split(tensor: torch.Tensor, sizes: list[int], parts: int, what: str) -> list[torch.Tensor]:
+    """``tensor``'s first dimension cut into ``sizes`` rows each, or into ``parts`` equal parts,
+    as ``all_to_all_single`` cuts it on gloo and NCCL (and refuses to, with the same causes)."""
+    if tensor.dim() == 0:
+        raise ValueError(f"all_to_all_single: the {what} must have at least one dimension")
+    rows = tensor.shape[0]
     if not sizes:
-        return list(tensor.chunk(parts)) if tensor.numel() else [tensor] * parts
-    return list(tensor.split(sizes))
+        if rows % parts:
+            raise ValueError(
+                f"all_to_all_single: the {what}'s first dimension ({rows}) is not divisible by "
+                f"the group size ({parts}); pass split sizes for uneven splits"
+            )
+        sizes = [rows // parts] * parts
+    if len(sizes) != parts or sum(sizes) != rows or min(sizes) < 0:
+        raise ValueError(
+            f"all_to_all_single: {what} split sizes {list(sizes)} must be {parts} sizes, none "
+            f"negative, adding up to the {what}'s first dimension ({rows})"
+        )
+    return list(tensor.split(list(sizes)))
+
+
+def _pieces(
+    whole: torch.Tensor, size: int, parts: int, whole_name: str, part_name: str
+) -> list[torch.Tensor]:
+    """``whole`` as ``parts`` consecutive flat views of ``size`` elements each: written into,
+    they write into ``whole``. gloo and NCCL refuse the same mismatches."""
+    if whole.numel() != size * parts:
+        raise ValueError(
+            f"the {whole_name} tensor has {whole.numel()} elements, but it must have the group "
+            f"size ({parts}) times the {part_name}'s {size}"
+        )
+    if not whole.is_contiguous():
+        raise ValueError(f"the {whole_name} tensor must be contiguous")
+    return list(whole.view(-1).split(size)) if size else [whole.view(-1)] * parts
 
 
 def _op_name(opts: Any) -> str:

@@ -1,0 +1,104 @@
+"""Verdicts of the fully_sharded graded tests on the reference, stubs and broken submissions.
+
+Each broken submission (``submissions/fsdp_*``) fails in one way; the tests assert the verdict
+a careful TA would give: the test that fails, its outcome and the cause its message names.
+Each is graded once, at world size 2 (every model size but some is then odd: padding
+matters), on the tests that show its fault.
+"""
+
+from __future__ import annotations
+
+PART = "fully_sharded"
+CASES = [f"{o}-{d}" for o in ("sgd", "adamw") for d in ("float32", "float16", "bfloat16")]
+NAMES = (
+    [f"training[{c}]" for c in CASES]
+    + [f"gradient_shards[{d}]" for d in ("float32", "float16")]
+    + [f"memory_at_rest[{d}]" for d in ("float32", "bfloat16")]
+    + [f"communication[{d}]" for d in ("float32", "float16")]
+)
+
+
+def test_reference_passes_everything(grade) -> None:
+    graded = grade("reference")  # every part, shared with the other files' tests
+    assert graded.returncode == 0, graded.stdout + graded.stderr
+    mine = [t for t in graded.tests if t["extra_data"]["part"] == PART]
+    assert {t["extra_data"]["outcome"] for t in mine} == {"passed"}
+    names = {t["name"].split(": ", 1)[1].rsplit(" (world size", 1)[0] for t in mine}
+    assert names == set(NAMES)
+    assert len(mine) == 6 * 4 + 2 * 4 + 2 * 3 + 2 * 3
+    assert abs(sum(t["score"] for t in mine) - 10) < 1e-9
+
+
+def test_stubs_fail_everything_as_not_implemented(grade) -> None:
+    graded = grade("stubs")  # every part, shared with the other files' tests
+    mine = [t for t in graded.tests if t["extra_data"]["part"] == PART]
+    assert len(mine) == 6 * 4 + 2 * 4 + 2 * 3 + 2 * 3
+    for test in mine:
+        assert test["extra_data"]["outcome"] == "failed", test["name"]
+        assert "not implemented" in test["output"], test["name"]
+        assert "FullyShardedDataParallel.__init__" in test["output"], test["name"]
+        assert test["score"] == 0
+
+
+def failed_because(graded, name: str, *causes: str, outcome: str = "failed") -> None:
+    """``name`` at world size 2 has ``outcome``, and its message names every one of ``causes``."""
+    message = graded.message(name, 2)
+    assert graded.outcome(name, 2) == outcome, (name, message)
+    for cause in causes:
+        assert cause in message, message
+
+
+def test_no_division_by_p_is_named(grade) -> None:
+    graded = grade("fsdp_no_division", PART, k="gradient_shards", world_sizes=(2,))
+    failed_because(graded, "gradient_shards[float32]", "2x the mean: divide the sum by p")
+
+
+def test_padding_leaking_into_weights_fails_training(grade) -> None:
+    graded = grade("fsdp_padding_leaks", PART, k="training", world_sizes=(2,))
+    for case in ("sgd-float32", "adamw-float32"):
+        failed_because(graded, f"training[{case}]", "padding of the last shard")
+
+
+def test_full_weights_kept_after_forward_fail_memory(grade) -> None:
+    graded = grade("fsdp_keeps_full_weights", PART, k="memory", world_sizes=(2,))
+    for dtype in ("float32", "bfloat16"):
+        failed_because(
+            graded, f"memory_at_rest[{dtype}]", "the backward gathers no", "freed after forward"
+        )
+
+
+def test_everything_gathered_up_front_fails_only_communication(grade) -> None:
+    graded = grade("fsdp_gathers_up_front", PART, k="float32]", world_sizes=(2,))
+    assert graded.outcome("memory_at_rest[float32]", 2) == "passed"
+    failed_because(graded, "communication[float32]", "prefetch at most two layers ahead")
+
+
+def test_backward_gathers_in_forward_order(grade) -> None:
+    graded = grade("fsdp_backward_forward_order", PART, k="communication", world_sizes=(2,))
+    order = "backward gathers the layers in the order ['fc1', 'fc2', 'head']"
+    failed_because(graded, "communication[float32]", order)
+
+
+def test_gradients_reduced_in_float16(grade) -> None:
+    graded = grade("fsdp_grads_float16", PART, k="communication", world_sizes=(2,))
+    assert graded.outcome("communication[float32]", 2) == "passed"
+    cause = "carries float16: gradients are reduce-scattered in float32"
+    failed_because(graded, "communication[float16]", cause)
+
+
+def test_gradients_all_reduced_at_full_shape(grade) -> None:
+    graded = grade("fsdp_grads_full_shape", PART, k="communication", world_sizes=(2,))
+    failed_because(graded, "communication[float32]", "all-reduced in full: reduce-scatter")
+
+
+def test_cast_after_communication(grade) -> None:
+    graded = grade("fsdp_cast_after_gather", PART, world_sizes=(2,))
+    assert graded.outcome("communication[float32]", 2) == "passed"
+    for name in ("memory_at_rest[bfloat16]", "communication[float16]"):
+        failed_because(graded, name, "cast BEFORE communicating")
+
+
+def test_indivisible_parameter_count(grade) -> None:
+    graded = grade("fsdp_assumes_divisible", PART, k="sgd-float32", world_sizes=(2,))
+    disagree = "the ranks disagree on a collective: rank 0 calls all_gather of "
+    failed_because(graded, "training[sgd-float32]", disagree, outcome="error")
