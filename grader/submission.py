@@ -27,6 +27,7 @@ DEFAULT_MODULES = (
     "data_parallel.py",
     "tensor_parallel.py",
     "pipeline_parallel.py",
+    "expert_parallel.py",
 )
 # Folders an archive or an operating system adds, never a student's repository.
 _NOT_A_REPOSITORY = {"__MACOSX", "__pycache__"}
