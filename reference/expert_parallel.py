@@ -76,6 +76,15 @@ def _exchange_counts(counts: Tensor, group: ProcessGroup | None) -> Tensor:
     return torch.stack(rows)
 
 
+def _first_pairs(expert: Tensor, kept: Tensor) -> Tensor:
+    """The pairs to send, sorted by expert (token order inside): of expert e's pairs, the
+    first ``kept[e]``."""
+    order = torch.sort(expert, stable=True).indices
+    counts = torch.bincount(expert, minlength=len(kept))
+    place = torch.arange(len(order)) - (counts.cumsum(0) - counts)[expert[order]]
+    return order[place < kept[expert[order]]]
+
+
 class ExpertParallelMoE(nn.Module):
     """``moe``'s experts split over the ranks of ``group``; see the module's docstring."""
 
@@ -114,36 +123,33 @@ class ExpertParallelMoE(nn.Module):
         # 1. counts, then drop what exceeds an expert's capacity (never sent).
         counts = torch.bincount(expert, minlength=self.num_experts)
         kept = self._kept(_exchange_counts(counts, self.group))
-        order = torch.sort(expert, stable=True).indices  # expert-major, token order inside
-        rank_in_expert = torch.arange(len(order)) - (counts.cumsum(0) - counts)[expert[order]]
-        order = order[rank_in_expert < kept[self.rank][expert[order]]]
+        order = _first_pairs(expert, kept[self.rank])  # sorted by expert, token order inside
 
         # 2. dispatch: rows sorted by expert are sorted by owning rank too.
         send_splits = kept[self.rank].view(p, n).sum(1).tolist()
         recv_splits = kept[:, self.first : self.first + n].sum(1).tolist()
         arrived = self._exchange(x[token[order]], send_splits, recv_splits)
 
-        # 3. experts: arrived rows are rank-major (rank i's rows for local expert 0, 1, ..);
-        #    regroup them expert-major, run each expert on its rows, and undo the regrouping.
-        sizes = kept[:, self.first : self.first + n]  # [p, n]: rows from rank i for expert l
-        starts = (sizes.reshape(-1).cumsum(0) - sizes.reshape(-1)).view(p, n)
-        regroup = torch.cat(
-            [
-                torch.arange(starts[i, e], starts[i, e] + sizes[i, e])
-                for e in range(n)
-                for i in range(p)
-            ]
-        ).long()
-        by_expert = arrived[regroup].split(sizes.sum(0).tolist())
-        outputs = torch.cat(
-            [self.moe.experts[self.first + e](rows) for e, rows in enumerate(by_expert)]
-        )
-        outputs = outputs[torch.argsort(regroup)]
+        # 3. experts, on the rows from every rank for each of this rank's experts.
+        outputs = self._run_experts(arrived, kept[:, self.first : self.first + n])
 
         # 4. combine: the mirror all-to-all, then the gate-weighted sum at home.
         returned = self._exchange(outputs, recv_splits, send_splits)
-        weighted = gate[order, None] * returned
-        return torch.zeros_like(x).index_add(0, token[order], weighted)
+        return torch.zeros_like(x).index_add(0, token[order], gate[order, None] * returned)
+
+    def _run_experts(self, arrived: Tensor, sizes: Tensor) -> Tensor:
+        """``arrived`` is rank-major: rank i's rows for local expert 0, 1, .., then rank i+1's
+        (``sizes[i, e]`` rows each). Regroup them expert-major, run each expert on its rows,
+        and put the outputs back in arrival order, which is the order the combine sends."""
+        p, n = sizes.shape
+        starts = (sizes.reshape(-1).cumsum(0) - sizes.reshape(-1)).view(p, n)
+        blocks = [
+            range(starts[i, e], starts[i, e] + sizes[i, e]) for e in range(n) for i in range(p)
+        ]
+        regroup = torch.tensor([row for block in blocks for row in block], dtype=torch.long)
+        by_expert = arrived[regroup].split(sizes.sum(0).tolist())
+        outputs = [self.moe.experts[self.first + e](rows) for e, rows in enumerate(by_expert)]
+        return torch.cat(outputs)[torch.argsort(regroup)]
 
     def _exchange(self, rows: Tensor, send_splits: list[int], recv_splits: list[int]) -> Tensor:
         if self.p == 1:

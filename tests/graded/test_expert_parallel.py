@@ -8,8 +8,8 @@ in the submission's ``ExpertParallelMoE``, runs one forward, one backward and
 in float64, on all ranks' tokens in rank order, with the loss ``(1/p) sum_r <y_r, g_r>``:
 
 - ``moe``: outputs, the tokens' gradients, the router's gradients and those of this rank's
-  experts, with E = p and 2p experts, top-1 and top-2. Where k < E the last expert's router
-  bias keeps every token away from it (an expert with no token), and rank 1's single token
+  experts, with E = p and 2p experts, top-1 and top-2. Where k < E expert 0's router bias
+  keeps every token away from it (an expert with no token), and rank 1's single token
   leaves it without a token for most experts. Routing margins are drawn large enough that
   float32 and float64 route every token alike.
 - ``capacity``: ``capacity_factor=0.5`` drops pairs at every world size; the oracle keeps
@@ -84,7 +84,7 @@ class Case:
 
 
 def draw_layer(case: Case) -> dict[str, Tensor]:
-    """The layer's state_dict; where k < E the last expert is never chosen."""
+    """The layer's state_dict; where k < E expert 0 is never chosen."""
     E, key = case.num_experts, case.key
 
     def draw(name: str, shape: tuple[int, ...], scale: float) -> Tensor:
@@ -93,7 +93,7 @@ def draw_layer(case: Case) -> dict[str, Tensor]:
     state = {"router.weight": draw("router.weight", (E, D), 2 * D**-0.5)}
     state["router.bias"] = draw("router.bias", (E,), 0.5)
     if case.top_k < E:
-        state["router.bias"][-1] = -30.0
+        state["router.bias"][0] = -30.0
     for e in range(E):
         state[f"experts.{e}.0.weight"] = draw(f"{e}.fc1", (D_FF, D), D**-0.5)
         state[f"experts.{e}.0.bias"] = draw(f"{e}.fc1.bias", (D_FF,), 0.5)
@@ -103,19 +103,26 @@ def draw_layer(case: Case) -> dict[str, Tensor]:
 
 
 def draw_tokens(case: Case, moe: MoE) -> list[Tensor]:
-    """Every rank's tokens, each row redrawn until its routing has a clear margin."""
+    """Every rank's tokens, each row redrawn until its routing has a clear margin and its
+    first choice is the one prescribed: token i of rank r prefers the (i + r)-th expert
+    still in play, so that every rank's experts get rows from several ranks, and rank 1's
+    single token goes to an expert of rank 1's own where p = 2."""
+    E, k = case.num_experts, case.top_k
+    in_play = list(range(1 if k < E else 0, E))
     xs = []
     for r, count in enumerate(case.tokens):
         rows = []
         for i in range(count):
-            for attempt in range(100):
+            first = in_play[(i + r) % len(in_play)]
+            for attempt in range(1000):
                 row = rank_tensor(f"{case.key}/x/{i}/{attempt}", r, (1, D), torch.float32)
-                probs = moe.router(row.double()).softmax(-1).sort(descending=True).values[0]
-                if (
-                    case.top_k == case.num_experts
-                    or probs[case.top_k - 1] - probs[case.top_k] > MARGIN
-                ):
+                probs = moe.router(row.double()).softmax(-1)[0]
+                ranked = probs.sort(descending=True).values
+                clear = k == E or float(ranked[k - 1] - ranked[k]) > MARGIN
+                if clear and int(probs.argmax()) == first:
                     break
+            else:  # the grader's own data, never the student's doing
+                raise RuntimeError(f"no token routes to expert {first} with a clear margin")
             rows.append(row)
         xs.append(torch.cat(rows) if rows else torch.zeros(0, D))
     return xs
