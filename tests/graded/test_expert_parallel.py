@@ -137,6 +137,8 @@ class Oracle:
     grads: dict[str, Tensor]  # the gradient of (1/p) sum_r <y_r, g_r>
     local_router: list[dict[str, Tensor]]  # rank r's own loss alone: not all-reduced
     kept: Tensor  # [p, E]: pairs of rank i that expert e keeps
+    state: dict[str, Tensor]  # the layer, as drawn here
+    xs: list[Tensor]  # every rank's tokens, as drawn here
 
 
 def oracle(case: Case, state: dict[str, Tensor], xs: list[Tensor], gs: list[Tensor]) -> Oracle:
@@ -171,6 +173,8 @@ def oracle(case: Case, state: dict[str, Tensor], xs: list[Tensor], gs: list[Tens
         grads,
         local_router,
         kept_pairs(case, moe, xs),
+        state,
+        xs,
     )
 
 
@@ -220,24 +224,24 @@ def close(
     check_close(got, want, what, magnitude=magnitude, terms=TERMS, explanations=why or {})
 
 
-def check_rank(case: Case, out: CallResult, want: Oracle, rank: int) -> None:
-    """Rank ``rank``'s output, tokens' gradient and parameter gradients against the oracle."""
-    seen, what, p = out.returned[rank], case.describe(), case.p
+def check_output(case: Case, out: CallResult, want: Oracle, rank: int) -> None:
+    seen, what = out.returned[rank], case.describe()
     require("output" in seen, f"{what}: forward returned a {seen['output_type']}, not a tensor")
-    why = {}
-    if case.capacity_factor is not None:
-        why = capacity_mistakes(case, out, rank)
+    why = capacity_mistakes(case, want, rank) if case.capacity_factor is not None else {}
     close(seen["output"], want.outputs[rank], f"{what}: output", why)
-    close(seen["input_grad"], want.input_grads[rank], f"{what}: the tokens' gradient")
+
+
+def check_gradients(case: Case, out: CallResult, want: Oracle, rank: int) -> None:
+    """The router's, then this rank's experts', then the tokens' gradients."""
+    seen, what, p = out.returned[rank], case.describe(), case.p
     grads = seen["grads"]
     for name in ("router.weight", "router.bias"):
-        full = want.grads[name]
-        own = want.local_router[rank][name]
+        full, own = want.grads[name], want.local_router[rank][name]
         why = {
-            f"{p}x the expected: the router's gradients were summed over ranks, not averaged": p
-            * full,
             "this rank's gradient alone: all-reduce the router's gradients (and divide by p)": own,
             "this rank's gradient divided by p: all-reduce the router's gradients": own / p,
+            f"{p}x the expected: the router's gradients were summed over ranks, not averaged": p
+            * full,
             "it is zero: no gradient reached the router; are the gates detached?": 0 * full,
         }
         close(grads.get(name), full, f"{what}: {name} gradient", why)
@@ -250,56 +254,64 @@ def check_rank(case: Case, out: CallResult, want: Oracle, rank: int) -> None:
                 continue  # an expert that no token chose has no gradient
             why = {f"{p}x the expected: divide each local expert's gradient by p": p * full}
             close(got, full, f"{what}: {name} gradient (expert {e} lives on rank {rank})", why)
+    close(seen["input_grad"], want.input_grads[rank], f"{what}: the tokens' gradient")
 
 
-def capacity_mistakes(case: Case, out: CallResult, rank: int) -> dict[str, Tensor]:
+def capacity_mistakes(case: Case, want: Oracle, rank: int) -> dict[str, Tensor]:
     """The output under the usual wrong capacity rules, run here on the rank's tokens alone."""
-    state, _, _, _, x, _, _ = out.args[rank]
-    moe = build_moe(state, case.num_experts, case.top_k).double()
-    x = x.double()
-    k, E, cf = case.top_k, case.num_experts, CAPACITY_FACTOR
-    local = math.ceil(cf * k * len(x) / E)
+    moe = build_moe(want.state, case.num_experts, case.top_k).double()
+    x = want.xs[rank].double()
+    k, E, C = case.top_k, case.num_experts, case.capacity
+    local = math.ceil(CAPACITY_FACTOR * k * len(x) / E)
+    if local == C:
+        alone = (
+            f"this rank kept its own first C = {C} pairs of every expert: the capacity is "
+            "shared by all ranks' pairs, counted in rank order from everyone's counts"
+        )
+    else:
+        alone = (
+            f"the capacity was computed from this rank's {len(x)} tokens (C = {local}), not "
+            f"from all ranks' {sum(case.tokens)} (C = {C}), and applied to its own pairs alone: "
+            "exchange the counts first"
+        )
     with torch.no_grad():
-        return {
-            f"the capacity was computed from this rank's tokens (C = {local}), not from all "
-            f"ranks' ({case.capacity}): exchange the counts first": moe(x, capacity=local),
-            f"each rank kept its own first C = {case.capacity} pairs of an expert: C is shared "
-            "by all ranks, their pairs counted in rank order": moe(x, capacity=case.capacity),
-            "no pair was dropped: apply capacity_factor": moe(x),
-        }
+        return {alone: moe(x, capacity=local), "no pair was dropped: apply capacity_factor": moe(x)}
 
 
-def check_case(world: World, case: Case) -> CallResult:
-    out, want = run_case(world, case)
-    on_every_rank(case.p, lambda r: check_rank(case, out, want, r))
-    return out
+def check_case(case: Case, out: CallResult, want: Oracle) -> None:
+    """Every rank's output first (a wrong one explains wrong gradients), then gradients."""
+    on_every_rank(case.p, lambda r: check_output(case, out, want, r))
+    on_every_rank(case.p, lambda r: check_gradients(case, out, want, r))
 
 
 @pytest.mark.graded(target="expert_parallel.ExpertParallelMoE", kind="correctness")
 @pytest.mark.parametrize("experts", ["E=p", "E=2p"])
 def test_moe_top1(world: World, experts: str) -> None:
-    check_case(world, Case(world.size, world.size * (1 if experts == "E=p" else 2), 1))
+    case = Case(world.size, world.size * (1 if experts == "E=p" else 2), 1)
+    check_case(case, *run_case(world, case))
 
 
 @pytest.mark.graded(target="expert_parallel.ExpertParallelMoE", kind="correctness")
 @pytest.mark.parametrize("experts", ["E=p", "E=2p"])
 def test_moe_top2(world: World, experts: str) -> None:
-    check_case(world, Case(world.size, world.size * (1 if experts == "E=p" else 2), 2))
+    case = Case(world.size, world.size * (1 if experts == "E=p" else 2), 2)
+    check_case(case, *run_case(world, case))
 
 
 @pytest.mark.graded(target="expert_parallel.ExpertParallelMoE", kind="correctness")
 @pytest.mark.parametrize("top_k", ["top-1", "top-2"])
 def test_capacity(world: World, top_k: str) -> None:
-    check_case(world, Case(world.size, 2 * world.size, int(top_k[-1]), CAPACITY_FACTOR))
+    case = Case(world.size, 2 * world.size, int(top_k[-1]), CAPACITY_FACTOR)
+    check_case(case, *run_case(world, case))
 
 
 @pytest.mark.graded(target="expert_parallel.ExpertParallelMoE", kind="correctness")
 def test_identity_experts(world: World) -> None:
     case = Case(world.size, 2 * world.size, 1, identity=True)
-    out, _ = run_case(world, case)
+    out, want = run_case(world, case)
 
     def check(r: int) -> None:
-        seen, x = out.returned[r], out.args[r][4]
+        seen, x = out.returned[r], want.xs[r]
         require("output" in seen, f"forward returned a {seen['output_type']}, not a tensor")
         got = seen["output"]
         require(
@@ -414,7 +426,7 @@ def test_communication(world: World, record: TestRecord, capacity: str) -> None:
     cf = None if capacity.endswith("None") else CAPACITY_FACTOR
     case = Case(world.size, 2 * world.size, 2, cf)
     out, want = run_case(world, case)
-    on_every_rank(case.p, lambda r: check_rank(case, out, want, r))
+    check_case(case, out, want)
     sent, received = row_bytes(case, want.kept)
     record.details["dispatch_bytes_sent"] = sent
     record.details["dispatch_bytes_received"] = received

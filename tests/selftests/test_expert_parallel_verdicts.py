@@ -1,0 +1,109 @@
+"""Verdicts of the expert_parallel graded tests on the reference, stubs and broken submissions.
+
+Each broken submission (``submissions/ep_*``) fails in one way; the tests assert the
+verdict a careful TA would give (which tests fail, and the cause the message names) and
+that the tests its mistake cannot touch still pass. One grader run per submission, at
+world size 2 (and 3 where p = 2 cannot show the mistake everywhere).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+PART = "expert_parallel"
+TOP1 = ["moe_top1[E=p]", "moe_top1[E=2p]"]
+TOP2 = ["moe_top2[E=p]", "moe_top2[E=2p]"]
+CAPACITY = ["capacity[top-1]", "capacity[top-2]"]
+COMMUNICATION = ["communication[capacity_factor=None]", "communication[capacity_factor=0.5]"]
+ALL = [*TOP1, *TOP2, *CAPACITY, "identity_experts", *COMMUNICATION]
+
+
+def sizes(name: str) -> tuple[int, ...]:
+    return (2, 3, 4) if name in TOP2 else (1, 2, 3, 4)
+
+
+def test_reference_passes_everything(grade) -> None:
+    graded = grade("reference")  # every part, shared with the other files' tests
+    assert graded.returncode == 0, graded.stdout + graded.stderr
+    mine = [t for t in graded.tests if t["extra_data"]["part"] == PART]
+    assert len(mine) == sum(len(sizes(name)) for name in ALL) == 34
+    assert {t["extra_data"]["outcome"] for t in mine} == {"passed"}
+    assert sum(t["score"] for t in mine) == 10
+    # The broker counted every rank's dispatch: exactly its kept pairs' rows, 32 bytes each.
+    sent = graded.test("communication[capacity_factor=0.5]", 4, PART)["extra_data"]
+    assert all(n % 32 == 0 for n in sent["dispatch_bytes_sent"])
+    assert sum(sent["dispatch_bytes_sent"]) == sum(sent["dispatch_bytes_received"])
+
+
+def test_stubs_fail_everything_as_not_implemented(grade) -> None:
+    graded = grade("stubs")  # every part, shared with the other files' tests
+    mine = [t for t in graded.tests if t["extra_data"]["part"] == PART]
+    assert len(mine) == 34
+    for test in mine:
+        assert test["extra_data"]["outcome"] == "failed", test["name"]
+        assert test["extra_data"]["target"] == "expert_parallel.ExpertParallelMoE"
+        assert "not implemented yet: ExpertParallelMoE.__init__" in test["output"], test["name"]
+        assert test["score"] == 0
+
+
+def failing(graded, size: int) -> set[str]:
+    return {n for (n, s), outcome in graded.outcomes().items() if s == size and outcome != "passed"}
+
+
+def test_guessed_splits_fail_every_exchange_at_p2(grade) -> None:
+    graded = grade("ep_splits_guessed", PART, world_sizes=(2,))
+    # Every case where the two ranks route differently: the receive sizes do not match the
+    # sends. The broker sees the all-to-alls' sizes disagree (a rank waits in an all-to-all
+    # its peer never joins, or the rows that arrive do not fit the buffer).
+    assert failing(graded, 2) == set(ALL)
+    for name in ALL:
+        assert graded.test(name, 2)["score"] == 0
+        message = graded.message(name, 2)
+        assert "all_to_all" in message or "refused" in message or "no pair was dropped" in message
+
+
+def test_rank_major_rows_taken_as_expert_major(grade) -> None:
+    graded = grade("ep_rank_expert_order", PART, world_sizes=(2,))
+    # One expert per rank (E = p) makes both orders one: only E = 2p shows the mistake.
+    assert failing(graded, 2) == set(ALL) - {"moe_top1[E=p]", "moe_top2[E=p]"}
+    message = graded.message("moe_top1[E=2p]", 2)
+    assert "ExpertParallelMoE of 4 experts, top-1, on 2 ranks" in message
+    assert ": output: element " in message
+
+
+def test_combine_not_undoing_the_permutation(grade) -> None:
+    graded = grade("ep_combine_not_unpermuted", PART, world_sizes=(2,))
+    assert "identity_experts" in failing(graded, 2)
+    assert {*TOP2, *CAPACITY, *COMMUNICATION} <= failing(graded, 2)
+    message = graded.message("identity_experts", 2)
+    assert "it is another token of this rank: the combine did not undo the permutation" in message
+
+
+def test_detached_gates_lose_the_router_gradient(grade) -> None:
+    graded = grade("ep_gates_detached", PART, world_sizes=(2,))
+    # With top-1 every gate is exactly 1: its gradient is zero anyway.
+    assert failing(graded, 2) == {*TOP2, "capacity[top-2]", *COMMUNICATION}
+    for name in TOP2:
+        message = graded.message(name, 2)
+        assert "router.weight gradient" in message
+        assert "no gradient reached the router; are the gates detached?" in message
+
+
+@pytest.mark.parametrize("size", [2])
+def test_router_gradients_not_averaged(grade, size: int) -> None:
+    graded = grade("ep_router_not_averaged", PART, world_sizes=(size,))
+    assert failing(graded, size) == {*TOP2, "capacity[top-2]", *COMMUNICATION}
+    for name in [*TOP2, "capacity[top-2]"]:
+        message = graded.message(name, size)
+        assert "router.weight gradient" in message
+        assert "this rank's gradient alone: all-reduce the router's gradients" in message
+
+
+def test_capacity_from_local_counts(grade) -> None:
+    graded = grade("ep_local_capacity", PART, world_sizes=(2,))
+    assert failing(graded, 2) == {*CAPACITY, "communication[capacity_factor=0.5]"}
+    for name in [*CAPACITY, "communication[capacity_factor=0.5]"]:
+        message = graded.message(name, 2)
+        assert message.startswith("rank 1: "), message
+        assert ": output: element " in message
+        assert "shared by all ranks' pairs" in message or "from this rank's" in message
