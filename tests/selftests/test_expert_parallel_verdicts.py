@@ -100,25 +100,23 @@ def test_combine_not_undoing_the_permutation(grade) -> None:
     assert "it is another token of this rank: the combine did not undo the permutation" in message
 
 
-def test_detached_gates_lose_the_router_gradient(grade) -> None:
-    graded = grade("ep_gates_detached", PART, world_sizes=(2,))
-    failed, _ = verdicts(graded, 2)
-    # With top-1 every gate is exactly 1: its gradient is zero anyway.
-    assert failed == {*TOP2, "capacity[top-2]", *COMMUNICATION}
-    for name in TOP2:
-        message = graded.message(name, 2)
-        assert "router.weight gradient" in message
-        assert "no gradient reached the router; are the gates detached?" in message
+ROUTER_MISTAKES = {
+    "ep_gates_detached": "it is zero: no gradient reached the router; are the gates detached?",
+    "ep_router_not_averaged": "this rank's gradient alone: all-reduce the router's gradients",
+}
 
 
-def test_router_gradients_not_averaged(grade) -> None:
-    graded = grade("ep_router_not_averaged", PART, world_sizes=(2,))
+@pytest.mark.parametrize("broken", sorted(ROUTER_MISTAKES))
+def test_router_gradient_mistakes(grade, broken: str) -> None:
+    """Gates detached from the graph, or the router's gradients never all-reduced: only
+    the router's gradient is wrong, and with top-1 it is zero anyway (every gate is 1)."""
+    graded = grade(broken, PART, world_sizes=(2,))
     failed, _ = verdicts(graded, 2)
     assert failed == {*TOP2, "capacity[top-2]", *COMMUNICATION}
     for name in [*TOP2, "capacity[top-2]"]:
         message = graded.message(name, 2)
         assert "router.weight gradient" in message
-        assert "this rank's gradient alone: all-reduce the router's gradients" in message
+        assert ROUTER_MISTAKES[broken] in message
 
 
 def test_capacity_from_local_counts(grade) -> None:
