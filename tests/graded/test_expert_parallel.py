@@ -25,6 +25,7 @@ in float64, on all ranks' tokens in rank order, with the loss ``(1/p) sum_r <y_r
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import pytest
@@ -214,7 +215,10 @@ def local_experts(case: Case, rank: int) -> range:
 
 
 def close(
-    got: Tensor | None, want: Tensor, what: str, why: dict[str, Tensor] | None = None
+    got: Tensor | None,
+    want: Tensor,
+    what: str,
+    why: dict[str, Tensor] | Callable[[], dict[str, Tensor]] | None = None,
 ) -> None:
     require(got is not None, f"{what} is missing (.grad is None)")
     # Every element is a sum of terms of about the tensor's largest size (at least 1e-2: a
@@ -227,8 +231,42 @@ def close(
 def check_output(case: Case, out: CallResult, want: Oracle, rank: int) -> None:
     seen, what = out.returned[rank], case.describe()
     require("output" in seen, f"{what}: forward returned a {seen['output_type']}, not a tensor")
-    why = capacity_mistakes(case, want, rank) if case.capacity_factor is not None else {}
+
+    def why() -> dict[str, Tensor]:  # made only if the output is wrong
+        mistakes = capacity_mistakes(case, want, rank) if case.capacity_factor else {}
+        if case.p > 1 and case.num_experts > case.p:
+            mistakes[
+                "the rows that arrive are rank-major (rank 0's rows for each of this rank's "
+                "experts, then rank 1's, ...), but were split among the experts as if "
+                "expert-major: regroup them by local expert before running the experts"
+            ] = rank_major_taken_as_expert_major(case, want)[rank]
+        return mistakes
+
     close(seen["output"], want.outputs[rank], f"{what}: output", why)
+
+
+def rank_major_taken_as_expert_major(case: Case, want: Oracle) -> list[Tensor]:
+    """Every rank's output if each expert's rank ran, on the rows in arrival order, expert
+    l on the l-th block of ``sum over ranks of kept[:, l]`` rows."""
+    moe = build_moe(want.state, case.num_experts, case.top_k).double()
+    xs = [x.double() for x in want.xs]
+    n, kept = case.num_experts // case.p, want.kept
+    outputs = [torch.zeros_like(x) for x in xs]
+    with torch.no_grad():
+        pairs = {}  # (rank, expert) -> the kept (token, gate) pairs, in token order
+        for i, x in enumerate(xs):
+            experts, gates = moe.route(x)
+            for e in range(case.num_experts):
+                tokens, slots = (experts == e).nonzero(as_tuple=True)
+                pairs[i, e] = list(zip(tokens, gates[tokens, slots], strict=True))[: kept[i, e]]
+        for owner in range(case.p):
+            mine = range(owner * n, (owner + 1) * n)
+            arrived = [(i, t, g) for i in range(case.p) for e in mine for t, g in pairs[i, e]]
+            blocks = [int(kept[:, e].sum()) for e in mine]
+            runs = [e for e, size in zip(mine, blocks, strict=True) for _ in range(size)]
+            for (i, t, g), e in zip(arrived, runs, strict=True):
+                outputs[i][t] += g * moe.experts[e](xs[i][t])
+    return [y.float() for y in outputs]
 
 
 def check_gradients(case: Case, out: CallResult, want: Oracle, rank: int) -> None:

@@ -90,6 +90,8 @@ def test_rank_major_rows_taken_as_expert_major(grade) -> None:
     message = graded.message("moe_top1[E=2p]", 2)
     assert "ExpertParallelMoE of 4 experts, top-1, on 2 ranks" in message
     assert ": output: element " in message
+    assert "rows that arrive are rank-major" in message
+    assert "but were split among the experts as if expert-major" in message
 
 
 def test_combine_not_undoing_the_permutation(grade) -> None:
