@@ -28,6 +28,7 @@ DEFAULT_MODULES = (
     "tensor_parallel.py",
     "pipeline_parallel.py",
     "fully_sharded.py",
+    "expert_parallel.py",
     "context_parallel.py",
 )
 # Folders an archive or an operating system adds, never a student's repository.

@@ -1,0 +1,193 @@
+"""The trusted oracle of the expert_parallel tests: the cases, their data, and what every
+rank must get.
+
+A :class:`Case` names one graded configuration; :func:`draw_layer` and :func:`draw_tokens`
+make its layer and every rank's tokens from the secret seed; :func:`oracle` runs the
+one-process :class:`~grader.scenarios.expert_parallel.MoE` on all ranks' tokens in float64,
+with the loss ``(1/p) sum_r <y_r, g_r>``, and knows how many (token, expert) pairs each
+rank keeps for each expert, from which the communication test derives the exact bytes
+(``tests/graded/test_expert_parallel.py``). Routing is built in, not left to chance: token
+i of rank r prefers the (i + r)-th expert still in play (expert 0 is starved where k < E),
+so every rank's experts get rows from several ranks whatever the seed.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from grader.scenarios.expert_parallel import MoE, build_moe, identity_experts
+from grader.testkit import rank_tensor
+
+D, D_FF = 8, 16
+TOKENS = (5, 1, 8, 3)  # T_r: different on every rank; rank 1 has a single token
+MARGIN = 1e-3  # least gap between a token's k-th and (k+1)-th router probability
+CAPACITY_FACTOR = 0.5
+
+
+@dataclass(frozen=True)
+class Case:
+    p: int
+    num_experts: int
+    top_k: int
+    capacity_factor: float | None = None
+    identity: bool = False
+
+    @property
+    def key(self) -> str:
+        return f"ep/{self.p}/{self.num_experts}/{self.top_k}/{self.capacity_factor}"
+
+    @property
+    def tokens(self) -> tuple[int, ...]:
+        return TOKENS[: self.p]
+
+    @property
+    def capacity(self) -> int | None:
+        if self.capacity_factor is None:
+            return None
+        total = sum(self.tokens)
+        return math.ceil(self.capacity_factor * self.top_k * total / self.num_experts)
+
+    def describe(self) -> str:
+        cf = "" if self.capacity_factor is None else f", capacity_factor={self.capacity_factor}"
+        return (
+            f"ExpertParallelMoE of {self.num_experts} experts, top-{self.top_k}{cf}, on {self.p} "
+            f"ranks with {', '.join(map(str, self.tokens))} tokens"
+        )
+
+
+def draw_layer(case: Case) -> dict[str, Tensor]:
+    """The layer's state_dict; where k < E expert 0 is never chosen."""
+    E, key = case.num_experts, case.key
+
+    def draw(name: str, shape: tuple[int, ...], scale: float) -> Tensor:
+        return rank_tensor(f"{key}/{name}", 0, shape, torch.float32) * scale
+
+    state = {"router.weight": draw("router.weight", (E, D), 2 * D**-0.5)}
+    state["router.bias"] = draw("router.bias", (E,), 0.5)
+    if case.top_k < E:
+        state["router.bias"][0] = -30.0
+    for e in range(E):
+        state[f"experts.{e}.0.weight"] = draw(f"{e}.fc1", (D_FF, D), D**-0.5)
+        state[f"experts.{e}.0.bias"] = draw(f"{e}.fc1.bias", (D_FF,), 0.5)
+        state[f"experts.{e}.2.weight"] = draw(f"{e}.fc2", (D, D_FF), D_FF**-0.5)
+        state[f"experts.{e}.2.bias"] = draw(f"{e}.fc2.bias", (D,), 0.5)
+    return state
+
+
+def draw_tokens(case: Case, moe: MoE) -> list[Tensor]:
+    """Every rank's tokens, each row redrawn until its routing has a clear margin and its
+    first choice is the one prescribed: token i of rank r prefers the (i + r)-th expert
+    still in play, so that every rank's experts get rows from several ranks, and rank 1's
+    single token goes to an expert of rank 1's own where p = 2."""
+    E, k = case.num_experts, case.top_k
+    in_play = list(range(1 if k < E else 0, E))
+    xs = []
+    for r, count in enumerate(case.tokens):
+        rows = []
+        for i in range(count):
+            first = in_play[(i + r) % len(in_play)]
+            for attempt in range(1000):
+                row = rank_tensor(f"{case.key}/x/{i}/{attempt}", r, (1, D), torch.float32)
+                probs = moe.router(row.double()).softmax(-1)[0]
+                ranked = probs.sort(descending=True).values
+                clear = k == E or float(ranked[k - 1] - ranked[k]) > MARGIN
+                if clear and int(probs.argmax()) == first:
+                    break
+            else:  # the grader's own data, never the student's doing
+                raise RuntimeError(f"no token routes to expert {first} with a clear margin")
+            rows.append(row)
+        xs.append(torch.cat(rows) if rows else torch.zeros(0, D))
+    return xs
+
+
+@dataclass
+class Oracle:
+    """What every rank must get, from the one-process layer in float64."""
+
+    outputs: list[Tensor]
+    input_grads: list[Tensor]
+    grads: dict[str, Tensor]  # the gradient of (1/p) sum_r <y_r, g_r>
+    local_router: list[dict[str, Tensor]]  # rank r's own loss alone: not all-reduced
+    kept: Tensor  # [p, E]: pairs of rank i that expert e keeps
+    state: dict[str, Tensor]  # the layer, as drawn here
+    xs: list[Tensor]  # every rank's tokens, as drawn here
+
+
+def oracle(case: Case, state: dict[str, Tensor], xs: list[Tensor], gs: list[Tensor]) -> Oracle:
+    moe = build_moe(state, case.num_experts, case.top_k).double()
+    if case.identity:
+        identity_experts(moe)
+    x = torch.cat(xs).double().requires_grad_()
+    y = moe(x, capacity=case.capacity)
+    g = torch.cat(gs).double()
+    (y * g).sum().backward()
+    grads = {
+        name: ((torch.zeros_like(param) if param.grad is None else param.grad) / case.p).float()
+        for name, param in moe.named_parameters()
+    }
+    bounds = [0, *torch.tensor(case.tokens).cumsum(0).tolist()]
+    rows = [slice(bounds[r], bounds[r + 1]) for r in range(case.p)]
+    local_router = []
+    router = list(moe.router.parameters())
+    for r in range(case.p):
+        mine = (moe(x, capacity=case.capacity)[rows[r]] * g[rows[r]]).sum()
+        found = torch.autograd.grad(mine, router, allow_unused=True)
+        names = ("router.weight", "router.bias")
+        local_router.append(
+            {
+                n: (torch.zeros_like(w) if f is None else f).float()
+                for n, w, f in zip(names, router, found, strict=True)
+            }
+        )
+    return Oracle(
+        [y.detach()[s].float() for s in rows],
+        [x.grad[s].float() for s in rows],
+        grads,
+        local_router,
+        kept_pairs(case, moe, xs),
+        state,
+        xs,
+    )
+
+
+def kept_pairs(case: Case, moe: MoE, xs: list[Tensor]) -> Tensor:
+    """``[p, E]``: how many of rank i's (token, expert) pairs expert e keeps."""
+    with torch.no_grad():
+        counts = torch.stack(
+            [
+                torch.bincount(moe.route(x.double())[0].reshape(-1), minlength=case.num_experts)
+                for x in xs
+            ]
+        )
+    if case.capacity is None:
+        return counts
+    before = counts.cumsum(0) - counts
+    return (case.capacity - before).clamp(0).minimum(counts)
+
+
+def rank_major_taken_as_expert_major(case: Case, want: Oracle) -> list[Tensor]:
+    """Every rank's output if each expert's rank ran, on the rows in arrival order, expert
+    l on the l-th block of ``sum over ranks of kept[:, l]`` rows."""
+    moe = build_moe(want.state, case.num_experts, case.top_k).double()
+    xs = [x.double() for x in want.xs]
+    n, kept = case.num_experts // case.p, want.kept
+    outputs = [torch.zeros_like(x) for x in xs]
+    with torch.no_grad():
+        pairs = {}  # (rank, expert) -> the kept (token, gate) pairs, in token order
+        for i, x in enumerate(xs):
+            experts, gates = moe.route(x)
+            for e in range(case.num_experts):
+                tokens, slots = (experts == e).nonzero(as_tuple=True)
+                pairs[i, e] = list(zip(tokens, gates[tokens, slots], strict=True))[: kept[i, e]]
+        for owner in range(case.p):
+            mine = range(owner * n, (owner + 1) * n)
+            arrived = [(i, t, g) for i in range(case.p) for e in mine for t, g in pairs[i, e]]
+            blocks = [int(kept[:, e].sum()) for e in mine]
+            runs = [e for e, size in zip(mine, blocks, strict=True) for _ in range(size)]
+            for (i, t, g), e in zip(arrived, runs, strict=True):
+                outputs[i][t] += g * moe.experts[e](xs[i][t])
+    return [y.float() for y in outputs]

@@ -1,0 +1,315 @@
+"""Graded tests of ``assignments/expert_parallel.py``: a mixture of experts over the ranks.
+
+One ``MoE`` layer (``grader/scenarios/expert_parallel.py``: the layer the assignment writes
+out) is drawn here from the secret seed and sent to every rank with the rank's own tokens
+(5, 1, 8 and 3 on ranks 0..3) and the upstream gradient of their outputs; each rank wraps it
+in the submission's ``ExpertParallelMoE``, runs one forward, one backward and
+``finish_gradient_synchronization()``. The oracle is the same layer run here in one process,
+in float64, on all ranks' tokens in rank order, with the loss ``(1/p) sum_r <y_r, g_r>``
+(``grader/judge/moe_oracle.py``, which also builds the routing: token i of rank r prefers
+the (i + r)-th expert in play, so every rank's experts get rows from several ranks):
+
+- ``moe``: outputs, the tokens' gradients, the router's gradients and those of this rank's
+  experts, with E = p and 2p experts, top-1 and top-2. Where k < E expert 0's router bias
+  keeps every token away from it (an expert with no token), and rank 1's single token
+  leaves it without a token for most experts. Routing margins are drawn large enough that
+  float32 and float64 route every token alike.
+- ``capacity``: ``capacity_factor=0.5`` drops pairs at every world size; the oracle keeps
+  each expert's first C pairs of the concatenated tokens, C = ceil(0.5 * k * T / E).
+- ``identity_experts``: with top-1 and ``nn.Identity()`` experts the output is the input,
+  bit for bit (every gate is exactly 1).
+- ``communication``: from the broker's record of every rank's operations (its own count of
+  the bytes it carried): at p = 1 nothing; otherwise counts (integers) before any token row,
+  no tokens all-gathered, broadcast or all-reduced, the dispatch and combine exactly the kept
+  pairs' rows each way (see :func:`row_bytes`), and the router's gradients all-reduced.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import pytest
+import torch
+from torch import Tensor
+
+from grader.judge.moe_oracle import (
+    CAPACITY_FACTOR,
+    D_FF,
+    Case,
+    D,
+    Oracle,
+    draw_layer,
+    draw_tokens,
+    oracle,
+    rank_major_taken_as_expert_major,
+)
+from grader.scenarios.expert_parallel import build_moe
+from grader.testkit import (
+    CallResult,
+    Event,
+    TestRecord,
+    World,
+    check_close,
+    on_every_rank,
+    rank_tensor,
+    require,
+)
+
+TERMS = 4 * (D + D_FF)  # rounding terms behind an output or gradient element
+MAGNITUDE_FLOOR = 1e-2
+COUNT_DTYPES = ("int64", "int32", "int16", "uint8", "int8")
+
+
+def run_case(world: World, case: Case) -> tuple[CallResult, Oracle]:
+    state = draw_layer(case)
+    xs = draw_tokens(case, build_moe(state, case.num_experts, case.top_k).double())
+    gs = [
+        rank_tensor(f"{case.key}/grad", r, (n, D), torch.float32) for r, n in enumerate(case.tokens)
+    ]
+    args = [
+        (state, case.num_experts, case.top_k, case.capacity_factor, xs[r], gs[r], case.identity)
+        for r in range(case.p)
+    ]
+    name = f"E={case.num_experts}, top-{case.top_k}, capacity_factor={case.capacity_factor}"
+    out = world.call(scenario="expert_parallel.forward_backward", args=args, case=name)
+    return out, oracle(case, state, xs, gs)
+
+
+def local_experts(case: Case, rank: int) -> range:
+    n = case.num_experts // case.p
+    return range(rank * n, (rank + 1) * n)
+
+
+def close(
+    got: Tensor | None,
+    want: Tensor,
+    what: str,
+    why: dict[str, Tensor] | Callable[[], dict[str, Tensor]] | None = None,
+) -> None:
+    require(got is not None, f"{what} is missing (.grad is None)")
+    # Every element is a sum of terms of about the tensor's largest size (at least 1e-2: a
+    # gradient that cancels to zero, as the router's does with top-1 gates of exactly 1).
+    largest = float(want.abs().max()) if want.numel() else 0.0
+    magnitude = torch.full_like(want, max(largest, MAGNITUDE_FLOOR))
+    check_close(got, want, what, magnitude=magnitude, terms=TERMS, explanations=why or {})
+
+
+def check_output(case: Case, out: CallResult, want: Oracle, rank: int) -> None:
+    seen, what = out.returned[rank], case.describe()
+    require("output" in seen, f"{what}: forward returned a {seen['output_type']}, not a tensor")
+
+    def why() -> dict[str, Tensor]:  # made only if the output is wrong
+        mistakes = capacity_mistakes(case, want, rank) if case.capacity_factor else {}
+        if case.p > 1 and case.num_experts > case.p:
+            mistakes[
+                "the rows that arrive are rank-major (rank 0's rows for each of this rank's "
+                "experts, then rank 1's, ...), but were split among the experts as if "
+                "expert-major: regroup them by local expert before running the experts"
+            ] = rank_major_taken_as_expert_major(case, want)[rank]
+        return mistakes
+
+    close(seen["output"], want.outputs[rank], f"{what}: output", why)
+
+
+def check_gradients(case: Case, out: CallResult, want: Oracle, rank: int) -> None:
+    """The router's, then this rank's experts', then the tokens' gradients."""
+    seen, what, p = out.returned[rank], case.describe(), case.p
+    grads = seen["grads"]
+    for name in ("router.weight", "router.bias"):
+        full, own = want.grads[name], want.local_router[rank][name]
+        why = {
+            "this rank's gradient alone: all-reduce the router's gradients (and divide by p)": own,
+            "this rank's gradient divided by p: all-reduce the router's gradients": own / p,
+            f"{p}x the expected: the router's gradients were summed over ranks, not averaged": p
+            * full,
+            "it is zero: no gradient reached the router; are the gates detached?": 0 * full,
+        }
+        close(grads.get(name), full, f"{what}: {name} gradient", why)
+    for e in local_experts(case, rank):
+        for name, full in want.grads.items():
+            if not name.startswith(f"experts.{e}."):
+                continue
+            got = grads.get(name)
+            if got is None and not bool(full.any()):
+                continue  # an expert that no token chose has no gradient
+            why = {f"{p}x the expected: divide each local expert's gradient by p": p * full}
+            close(got, full, f"{what}: {name} gradient (expert {e} lives on rank {rank})", why)
+    close(seen["input_grad"], want.input_grads[rank], f"{what}: the tokens' gradient")
+
+
+def capacity_mistakes(case: Case, want: Oracle, rank: int) -> dict[str, Tensor]:
+    """The output under the usual wrong capacity rules, run here on the rank's tokens alone."""
+    moe = build_moe(want.state, case.num_experts, case.top_k).double()
+    x = want.xs[rank].double()
+    k, E, C = case.top_k, case.num_experts, case.capacity
+    local = math.ceil(CAPACITY_FACTOR * k * len(x) / E)
+    if local == C:
+        alone = (
+            f"this rank kept its own first C = {C} pairs of every expert: the capacity is "
+            "shared by all ranks' pairs, counted in rank order from everyone's counts"
+        )
+    else:
+        alone = (
+            f"the capacity was computed from this rank's {len(x)} tokens (C = {local}), not "
+            f"from all ranks' {sum(case.tokens)} (C = {C}), and applied to its own pairs alone: "
+            "exchange the counts first"
+        )
+    with torch.no_grad():
+        return {alone: moe(x, capacity=local), "no pair was dropped: apply capacity_factor": moe(x)}
+
+
+def check_case(case: Case, out: CallResult, want: Oracle) -> None:
+    """Every rank's output first (a wrong one explains wrong gradients), then gradients."""
+    on_every_rank(case.p, lambda r: check_output(case, out, want, r))
+    on_every_rank(case.p, lambda r: check_gradients(case, out, want, r))
+
+
+@pytest.mark.graded(target="expert_parallel.ExpertParallelMoE", kind="correctness")
+@pytest.mark.parametrize("experts", ["E=p", "E=2p"])
+def test_moe_top1(world: World, experts: str) -> None:
+    case = Case(world.size, world.size * (1 if experts == "E=p" else 2), 1)
+    check_case(case, *run_case(world, case))
+
+
+@pytest.mark.graded(target="expert_parallel.ExpertParallelMoE", kind="correctness")
+@pytest.mark.parametrize("experts", ["E=p", "E=2p"])
+def test_moe_top2(world: World, experts: str) -> None:
+    case = Case(world.size, world.size * (1 if experts == "E=p" else 2), 2)
+    check_case(case, *run_case(world, case))
+
+
+@pytest.mark.graded(target="expert_parallel.ExpertParallelMoE", kind="correctness")
+@pytest.mark.parametrize("top_k", ["top-1", "top-2"])
+def test_capacity(world: World, top_k: str) -> None:
+    case = Case(world.size, 2 * world.size, int(top_k[-1]), CAPACITY_FACTOR)
+    check_case(case, *run_case(world, case))
+
+
+@pytest.mark.graded(target="expert_parallel.ExpertParallelMoE", kind="correctness")
+def test_identity_experts(world: World) -> None:
+    case = Case(world.size, 2 * world.size, 1, identity=True)
+    out, want = run_case(world, case)
+
+    def check(r: int) -> None:
+        seen, x = out.returned[r], want.xs[r]
+        require("output" in seen, f"forward returned a {seen['output_type']}, not a tensor")
+        got = seen["output"]
+        require(
+            got.shape == x.shape, f"output has shape {tuple(got.shape)}, expected {tuple(x.shape)}"
+        )
+        if not torch.equal(got, x):
+            row = int((got != x).any(1).nonzero()[0])
+            require(
+                False,
+                f"{case.describe()}, identity experts: output row {row} is not the token "
+                "itself; with top-1 every gate is exactly 1 and dispatch then combine must "
+                "bring every row home unchanged, to its own position"
+                + (
+                    " (it is another token of this rank: the combine did not undo the permutation)"
+                    if any(torch.equal(got[row], t) for t in x)
+                    else ""
+                ),
+            )
+
+    on_every_rank(case.p, check)
+
+
+def row_bytes(case: Case, kept: Tensor) -> tuple[list[int], list[int]]:
+    """Bytes of the rows each rank sends in the dispatch (its kept pairs, for every rank's
+    experts, its own included) and receives (the kept pairs of every rank for its experts)."""
+    n, row = case.num_experts // case.p, D * 4
+    sent = [int(kept[r].sum()) * row for r in range(case.p)]
+    received = [int(kept[:, n * r : n * (r + 1)].sum()) * row for r in range(case.p)]
+    return sent, received
+
+
+def is_count(event: Event) -> bool:
+    return event.dtype in COUNT_DTYPES
+
+
+def check_traffic(case: Case, out: CallResult, kept: Tensor, rank: int, router_bytes: int) -> None:
+    events = [e for e in out.traffic.per_rank[rank] if e.op != "mark"]
+    what = case.describe()
+    if case.p == 1:
+        listed = ", ".join(sorted({e.op for e in events}))
+        require(not events, f"{what}: on one rank there is nobody to talk to, yet it made {listed}")
+        return
+    collectives = [e for e in events if e.peer < 0]
+    data = [e for e in collectives if not is_count(e)]
+    for e in data:
+        require(
+            e.op in ("all_to_all", "all_reduce"),
+            f"{what}: {e.op} of {e.dtype} data at {e.at or '?'}: tokens travel by all-to-all to "
+            "the ranks of their experts only, never to every rank",
+        )
+    reduced = sum(e.nbytes for e in data if e.op == "all_reduce")
+    require(
+        reduced == router_bytes,
+        f"{what}: {reduced} bytes all-reduced, expected the router's gradients ({router_bytes} "
+        "bytes): the experts' gradients need no all-reduce (they come back with the combine)",
+    )
+    moved = [e.nbytes for e in data if e.op == "all_to_all"]
+    if not moved and any(e.peer >= 0 for e in events):
+        check_messages(case, out, kept, rank)  # the student's own all-to-all of messages
+        return
+    count_bytes = sum(e.nbytes for e in collectives if is_count(e))
+    limit = 2 * case.p * case.num_experts * 8
+    require(
+        count_bytes <= limit,
+        f"{what}: {count_bytes} bytes of integers sent, more than two exchanges of every "
+        f"rank's counts need ({limit})",
+    )
+    first_rows = next(
+        (i for i, e in enumerate(events) if e.op == "all_to_all" and not is_count(e)), len(events)
+    )
+    require(
+        any(is_count(e) for e in events[:first_rows]),
+        f"{what}: no exchange of integer counts before the first token rows: each rank must "
+        "learn how many rows it will receive from the others before the dispatch",
+    )
+    sent, received = row_bytes(case, kept)
+    expected = [sent[rank], received[rank], sent[rank], received[rank]]
+    require(
+        moved == expected,
+        f"{what}: its all-to-alls of token rows carried {moved} bytes; expected {expected}: "
+        f"the dispatch sends this rank's {sent[rank] // (D * 4)} kept pairs' rows, the combine "
+        f"returns the {received[rank] // (D * 4)} rows its experts processed, and backward "
+        "mirrors both (no padding, no dropped pair sent)",
+    )
+
+
+def check_messages(case: Case, out: CallResult, kept: Tensor, rank: int) -> None:
+    """Rows exchanged by send/recv: to each peer exactly the rows the two owe each other,
+    with room for the counts."""
+    n, row = case.num_experts // case.p, D * 4
+    for peer in range(case.p):
+        if peer == rank:
+            continue
+        rows = int(
+            kept[rank, n * peer : n * (peer + 1)].sum()
+            + kept[peer, n * rank : n * (rank + 1)].sum()
+        )
+        sent = sum(
+            e.nbytes for e in out.traffic.per_rank[rank] if e.op == "send" and e.peer == peer
+        )
+        low, high = 2 * rows * row, 2 * rows * row + 2 * case.num_experts * 8
+        require(
+            low <= sent <= high,
+            f"{case.describe()}: sent {sent} bytes to rank {peer}; the rows the two ranks' "
+            f"tokens route to each other's experts, there and back, are {low} bytes",
+        )
+
+
+@pytest.mark.graded(target="expert_parallel.ExpertParallelMoE", kind="communication")
+@pytest.mark.parametrize("capacity", ["capacity_factor=None", "capacity_factor=0.5"])
+def test_communication(world: World, record: TestRecord, capacity: str) -> None:
+    cf = None if capacity.endswith("None") else CAPACITY_FACTOR
+    case = Case(world.size, 2 * world.size, 2, cf)
+    out, want = run_case(world, case)
+    check_case(case, out, want)
+    sent, received = row_bytes(case, want.kept)
+    record.details["dispatch_bytes_sent"] = sent
+    record.details["dispatch_bytes_received"] = received
+    router_bytes = (case.num_experts * D + case.num_experts) * 4
+    on_every_rank(case.p, lambda r: check_traffic(case, out, want.kept, r, router_bytes))

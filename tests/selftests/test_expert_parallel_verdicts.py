@@ -1,0 +1,150 @@
+"""Verdicts of the expert_parallel graded tests on the reference, stubs and broken submissions.
+
+Each broken submission (``submissions/ep_*``) fails in one way; the tests assert the
+verdict a careful TA would give (which tests fail, and the cause the message names) and
+that the tests its mistake cannot touch still pass. One grader run per submission, at
+world size 2 (and 3 where p = 2 cannot show the mistake everywhere).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+PART = "expert_parallel"
+TOP1 = ["moe_top1[E=p]", "moe_top1[E=2p]"]
+TOP2 = ["moe_top2[E=p]", "moe_top2[E=2p]"]
+CAPACITY = ["capacity[top-1]", "capacity[top-2]"]
+COMMUNICATION = ["communication[capacity_factor=None]", "communication[capacity_factor=0.5]"]
+ALL = [*TOP1, *TOP2, *CAPACITY, "identity_experts", *COMMUNICATION]
+
+
+def sizes(name: str) -> tuple[int, ...]:
+    return (2, 3, 4) if name in TOP2 else (1, 2, 3, 4)
+
+
+def test_reference_passes_everything(grade) -> None:
+    graded = grade("reference")  # every part, shared with the other files' tests
+    assert graded.returncode == 0, graded.stdout + graded.stderr
+    mine = [t for t in graded.tests if t["extra_data"]["part"] == PART]
+    assert len(mine) == sum(len(sizes(name)) for name in ALL) == 34
+    assert {t["extra_data"]["outcome"] for t in mine} == {"passed"}
+    assert sum(t["score"] for t in mine) == 10
+    # The broker counted every rank's dispatch: exactly its kept pairs' rows, 32 bytes each.
+    sent = graded.test("communication[capacity_factor=0.5]", 4, PART)["extra_data"]
+    assert all(n % 32 == 0 for n in sent["dispatch_bytes_sent"])
+    assert sum(sent["dispatch_bytes_sent"]) == sum(sent["dispatch_bytes_received"])
+
+
+def test_stubs_fail_everything_as_not_implemented(grade) -> None:
+    graded = grade("stubs")  # every part, shared with the other files' tests
+    mine = [t for t in graded.tests if t["extra_data"]["part"] == PART]
+    assert len(mine) == 34
+    for test in mine:
+        assert test["extra_data"]["outcome"] == "failed", test["name"]
+        assert test["extra_data"]["target"] == "expert_parallel.ExpertParallelMoE"
+        assert "not implemented yet: ExpertParallelMoE.__init__" in test["output"], test["name"]
+        assert test["score"] == 0
+
+
+def verdicts(graded, size: int) -> tuple[set[str], set[str]]:
+    """The tests that failed and those that passed at ``size``."""
+    outcomes = {n: o for (n, s), o in graded.outcomes().items() if s == size}
+    assert set(outcomes) == set(ALL)
+    failed = {n for n, o in outcomes.items() if o != "passed"}
+    return failed, set(outcomes) - failed
+
+
+# The graded tests draw their data from the machine's secret, but route by construction
+# (token i of rank r prefers the (i + r)-th expert in play; expert 0 starved where k < E):
+# what each broken submission must fail, and must pass, below holds for every draw. Cases
+# it may or may not fail, depending on the draw, are left unasserted.
+
+
+@pytest.mark.parametrize("honest", ["ep_own_all_to_all", "ep_nn_functional"])
+def test_honest_variants_pass_everything(grade, honest: str) -> None:
+    """The student's own all-to-all from isend/irecv (judged per peer from the broker's
+    messages), and torch's differentiable all_to_all_single."""
+    graded = grade(honest, PART, world_sizes=(3,))
+    assert graded.returncode == 0, graded.stdout + graded.stderr
+    assert verdicts(graded, 3) == (set(), set(ALL))
+
+
+def test_guessed_splits_fail_every_exchange(grade) -> None:
+    graded = grade("ep_splits_guessed", PART, world_sizes=(2,))
+    failed, _ = verdicts(graded, 2)
+    # Rank 1 routes its single token unlike rank 0's five: every receive size guessed from
+    # this rank's own counts is wrong, and the all-to-alls cannot match.
+    assert failed == set(ALL)
+    for name in ALL:
+        assert graded.test(name, 2)["score"] == 0
+        assert graded.test(name, 2)["extra_data"]["outcome"] in ("error", "timeout", "failed")
+
+
+def test_rank_major_rows_taken_as_expert_major(grade) -> None:
+    graded = grade("ep_rank_expert_order", PART, world_sizes=(2,))
+    failed, passed = verdicts(graded, 2)
+    # Two experts per rank, each with rows from both ranks: the mistake shows. One expert
+    # per rank (E = p) makes both orders one; identity experts cannot tell experts apart.
+    assert {"moe_top1[E=2p]", "moe_top2[E=2p]", "communication[capacity_factor=None]"} <= failed
+    assert {"moe_top1[E=p]", "moe_top2[E=p]", "identity_experts"} <= passed
+    message = graded.message("moe_top1[E=2p]", 2)
+    assert "ExpertParallelMoE of 4 experts, top-1, on 2 ranks" in message
+    assert ": output: element " in message
+    assert "rows that arrive are rank-major" in message
+    assert "but were split among the experts as if expert-major" in message
+
+
+def test_combine_not_undoing_the_permutation(grade) -> None:
+    graded = grade("ep_combine_not_unpermuted", PART, world_sizes=(2,))
+    failed, _ = verdicts(graded, 2)
+    assert {"identity_experts", "moe_top1[E=2p]", *TOP2, *COMMUNICATION} <= failed
+    message = graded.message("identity_experts", 2)
+    assert "it is another token of this rank: the combine did not undo the permutation" in message
+
+
+ROUTER_MISTAKES = {
+    "ep_gates_detached": "it is zero: no gradient reached the router; are the gates detached?",
+    "ep_router_not_averaged": "this rank's gradient alone: all-reduce the router's gradients",
+}
+
+
+@pytest.mark.parametrize("broken", sorted(ROUTER_MISTAKES))
+def test_router_gradient_mistakes(grade, broken: str) -> None:
+    """Gates detached from the graph, or the router's gradients never all-reduced: only
+    the router's gradient is wrong, and with top-1 it is zero anyway (every gate is 1)."""
+    graded = grade(broken, PART, world_sizes=(2,))
+    failed, _ = verdicts(graded, 2)
+    assert failed == {*TOP2, "capacity[top-2]", *COMMUNICATION}
+    for name in [*TOP2, "capacity[top-2]"]:
+        message = graded.message(name, 2)
+        assert "router.weight gradient" in message
+        assert ROUTER_MISTAKES[broken] in message
+
+
+def test_capacity_from_local_counts(grade) -> None:
+    graded = grade("ep_local_capacity", PART, world_sizes=(2,))
+    failed, _ = verdicts(graded, 2)
+    assert failed == {*CAPACITY, "communication[capacity_factor=0.5]"}
+    for name in [*CAPACITY, "communication[capacity_factor=0.5]"]:
+        message = graded.message(name, 2)
+        # Rank 0 comes first in the global order: its pairs are kept alike by both rules.
+        assert message.startswith("rank 1: "), message
+        assert ": output: element " in message
+        assert "shared by all ranks' pairs" in message or "from this rank's" in message
+
+
+def test_the_assignment_gives_the_graders_moe() -> None:
+    """The layer students read is the layer the grader builds and its oracle runs."""
+    import torch
+
+    from assignments.expert_parallel import MoE as Given
+    from grader.scenarios.expert_parallel import MoE as Graders
+
+    torch.manual_seed(0)
+    given = Given(8, 16, 4, 2)
+    torch.manual_seed(0)
+    graders = Graders(8, 16, 4, 2)
+    x = torch.randn(9, 8)
+    assert given.state_dict().keys() == graders.state_dict().keys()
+    assert torch.equal(given(x), graders(x))
+    assert torch.equal(given(x, capacity=2), graders(x, capacity=2))
