@@ -76,6 +76,8 @@ def run(members: list[Op]) -> list[list[torch.Tensor]]:
                 f"the ranks disagree on a collective: rank {first.rank} calls "
                 f"{describe_collective(first)} while rank {op.rank} calls {describe_collective(op)}"
             )
+    if first.kind == "all_to_all":
+        _check_splits(members)
     root = first.info["root"]
     if first.kind == "broadcast" and not 0 <= root < len(first.info["group"]):
         raise CollectiveError(f"broadcast from rank {root}, outside the group")
@@ -87,3 +89,25 @@ def run(members: list[Op]) -> list[list[torch.Tensor]]:
         return compute(first.kind, inputs, root, first.info["reduce_op"])
     except (ValueError, RuntimeError, IndexError, KeyError) as err:
         raise CollectiveError(f"{first.kind} failed: {err}") from None
+
+
+def _check_splits(members: list[Op]) -> None:
+    """In an all-to-all, what rank r sends to rank s is what s expects from r (gloo aborts the
+    process otherwise): receive sizes that do not come from the exchanged counts are named."""
+    for op in members:
+        if len(op.info["inputs"]) != len(members) or len(op.info["outputs"]) != len(members):
+            raise CollectiveError(
+                f"all_to_all: rank {op.rank} gives {len(op.info['inputs'])} input and "
+                f"{len(op.info['outputs'])} output pieces for a group of {len(members)} ranks "
+                f"(at {op.at or '?'})"
+            )
+    for sender, op in enumerate(members):
+        for receiver, target in enumerate(members):
+            sent, expected = op.info["inputs"][receiver], target.info["outputs"][sender]
+            if (sent.numel, sent.dtype) != (expected.numel, expected.dtype):
+                raise CollectiveError(
+                    f"all_to_all: rank {op.rank} sends {sent} to rank {target.rank} (at "
+                    f"{op.at or '?'}), which expects {expected} from it (at {target.at or '?'}): "
+                    "each rank's output split sizes must be what the others send it (exchange "
+                    "the counts first)"
+                )
