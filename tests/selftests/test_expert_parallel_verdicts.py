@@ -79,8 +79,8 @@ def test_guessed_splits_fail_every_exchange(grade) -> None:
         assert graded.test(name, 2)["score"] == 0
         assert graded.test(name, 2)["extra_data"]["outcome"] == "error"
         # The broker names the cause: the receive sizes do not match what the others send.
-        assert "output split sizes must be what the others send it" in (
-            graded.test(name, 2)["output"]
+        assert (
+            "output split sizes must be what the others send it" in (graded.test(name, 2)["output"])
         )
 
 

@@ -324,6 +324,7 @@ def test_forged_marks_earn_no_overlap_points(grade) -> None:
         if name == "overlap[one_bucket]":  # one bucket can only start once backward is done
             continue
         assert test["score"] == 0, (name, test["output"])
-        assert "backward reached the first layer (the embedding) before any all-reduce" in (
-            test["output"]
+        assert (
+            "backward reached the first layer (the embedding) before any all-reduce"
+            in (test["output"])
         ), test["output"]
