@@ -230,7 +230,15 @@ class Broker(Connections):
         op.event = len(self.traffic.per_rank[state.rank])
         state.record(nbytes, self.limits)
         self.traffic.per_rank[state.rank].append(
-            Event(name, -1, nbytes, at=op.at, dtype=dtype, payload=b"".join(op.payload))
+            Event(
+                name,
+                -1,
+                nbytes,
+                at=op.at,
+                dtype=dtype,
+                payload=b"".join(op.payload),
+                pieces=tuple(map(len, op.payload)),
+            )
         )
         sequence = self._sequence[(state.rank, group)]
         self._sequence[(state.rank, group)] += 1

@@ -27,6 +27,8 @@ class Event:
     # The bytes a send carried, or a collective's inputs end to end: for tests that check what
     # a message holds, not only its size. Empty for a receive.
     payload: bytes | bytearray = field(default=b"", repr=False, compare=False)
+    # A collective's inputs one by one: an all-to-all's bytes for each destination, in order.
+    pieces: tuple[int, ...] = field(default=(), compare=False)
 
     def as_dict(self) -> dict[str, Any]:
         return {"op": self.op, "peer": self.peer, "nbytes": self.nbytes, "tag": self.tag}

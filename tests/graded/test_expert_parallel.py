@@ -277,6 +277,16 @@ def check_traffic(case: Case, out: CallResult, kept: Tensor, rank: int, router_b
         f"returns the {received[rank] // (D * 4)} rows its experts processed, and backward "
         "mirrors both (no padding, no dropped pair sent)",
     )
+    n, row = case.num_experts // case.p, D * 4
+    dispatch = [int(kept[rank, n * j : n * (j + 1)].sum()) * row for j in range(case.p)]
+    combine = [int(kept[j, n * rank : n * (rank + 1)].sum()) * row for j in range(case.p)]
+    pieces = [list(e.pieces) for e in data if e.op == "all_to_all"]
+    require(
+        pieces == [dispatch, combine, dispatch, combine],
+        f"{what}: its all-to-alls sent {pieces} bytes to ranks 0..{case.p - 1}; expected "
+        f"{[dispatch, combine, dispatch, combine]}: to each rank exactly the rows routed to its "
+        "experts, and the combine its mirror",
+    )
 
 
 def check_messages(case: Case, out: CallResult, kept: Tensor, rank: int) -> None:
