@@ -42,7 +42,9 @@ class FullyShardedDataParallel(nn.Module):
           see it) has `.data` equal to this float32 shard, of shape `(s,)`.
         - `self.module` is `module`. Sharded layers run in their registration order in forward.
         - Keep `module`'s submodules and parameters as they are (the same objects, at the same
-          names): hook them, do not replace or wrap them. The tests hook them too.
+          names): hook them, do not replace or wrap them. The tests hook them too, right
+          after construction: register your hooks in `__init__`, so that your gathers run
+          before the tests' hooks.
 
     forward(*args, **kwargs)
         Returns what `module(*args, **kwargs)` would with the full weights, differentiably.
@@ -100,6 +102,12 @@ class FullyShardedDataParallel(nn.Module):
           in `unpack`, which backward calls exactly when it needs it.
 
     Pitfalls
+        - Gather and reduce-scatter each sharded parameter on its own (a Linear's weight and
+          bias are two gathers), not a layer's parameters concatenated into one flat buffer
+          as PyTorch FSDP's FlatParameter does: the tests tell parameters by their sizes.
+        - Autograd saves a view of the weight (`weight.t()` for a Linear), not the tensor:
+          recognise it by its storage while its layer is gathered.
+        - A prefetched gather whose layer does not run must still be waited for.
         - The mean, not the sum: divide by p.
         - The padding must never reach the gathered weight nor the gradient: slice [:n].
         - Parameter counts that p does not divide (the graded models have them everywhere).
