@@ -85,7 +85,7 @@ def reserve(count: int = BLOCK) -> Identity:
         first = FIRST_UID + block * BLOCK
         if busy.intersection(range(first, first + count)):
             continue
-        lock = os.open(LOCK_DIR / f"{first}.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        lock = os.open(lock_path(first), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         try:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -95,6 +95,11 @@ def reserve(count: int = BLOCK) -> Identity:
         _remove_owned(_SHARED_WRITABLE, set(identity.uids))  # a killed grader's leftovers
         return identity
     raise SandboxError(f"every block of uids for the ranks is in use ({LOCK_DIR})")
+
+
+def lock_path(first: int) -> Path:
+    """The file whose ``flock`` holds the block of uids that begins at ``first``."""
+    return LOCK_DIR / f"{first}.lock"
 
 
 def _busy_uids() -> set[int]:

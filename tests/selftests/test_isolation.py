@@ -50,7 +50,7 @@ def _left_behind(uid: int) -> bool:
         return False
     first = identity.FIRST_UID + (uid - identity.FIRST_UID) // identity.BLOCK * identity.BLOCK
     try:
-        lock = os.open(identity.LOCK_DIR / f"{first}.lock", os.O_RDWR | os.O_CLOEXEC)
+        lock = os.open(identity.lock_path(first), os.O_RDWR | os.O_CLOEXEC)
     except FileNotFoundError:
         return True  # never reserved, yet in use
     try:
