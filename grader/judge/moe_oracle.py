@@ -7,8 +7,8 @@ one-process :class:`~grader.scenarios.expert_parallel.MoE` on all ranks' tokens 
 with the loss ``(1/p) sum_r <y_r, g_r>``, and knows how many (token, expert) pairs each
 rank keeps for each expert, from which the communication test derives the exact bytes
 (``tests/graded/test_expert_parallel.py``). Routing is built in, not left to chance: token
-i of rank r prefers the (i + r)-th expert still in play (expert 0 is starved where k < E),
-so every rank's experts get rows from several ranks whatever the seed.
+i of rank r is moved until it prefers the (i + r)-th expert still in play (expert 0 is
+starved where k < E), so every rank's experts get rows from several ranks whatever the seed.
 """
 
 from __future__ import annotations
@@ -66,7 +66,10 @@ def draw_layer(case: Case) -> dict[str, Tensor]:
     def draw(name: str, shape: tuple[int, ...], scale: float) -> Tensor:
         return rank_tensor(f"{key}/{name}", 0, shape, torch.float32) * scale
 
-    state = {"router.weight": draw("router.weight", (E, D), 2 * D**-0.5)}
+    # Orthogonal rows of norm 2 (E <= D): moving a token along row e raises logit e alone.
+    assert E <= D, f"{E} experts need tokens of more than {D} features"
+    rows, _ = torch.linalg.qr(draw("router.weight", (D, D), 1.0).double())
+    state = {"router.weight": (2 * rows[:E]).float()}
     state["router.bias"] = draw("router.bias", (E,), 0.5)
     if case.top_k < E:
         state["router.bias"][0] = -30.0
@@ -79,20 +82,28 @@ def draw_layer(case: Case) -> dict[str, Tensor]:
 
 
 def draw_tokens(case: Case, moe: MoE) -> list[Tensor]:
-    """Every rank's tokens, each row redrawn until its routing has a clear margin and its
-    first choice is the one prescribed: token i of rank r prefers the (i + r)-th expert
-    still in play, so that every rank's experts get rows from several ranks, and rank 1's
-    single token goes to an expert of rank 1's own where p = 2."""
+    """Every rank's tokens: token i of rank r prefers the (i + r)-th expert still in play,
+    so that every rank's experts get rows from several ranks, and rank 1's single token
+    goes to an expert of rank 1's own where p = 2.
+
+    A random row is moved along the chosen expert's router row, which raises that expert's
+    logit alone (the rows are orthogonal), until it leads by one logit; the row is drawn
+    again only where the k-th and (k+1)-th probabilities fall closer than ``MARGIN``."""
     E, k = case.num_experts, case.top_k
     in_play = list(range(1 if k < E else 0, E))
+    weight = moe.router.weight.detach()
     xs = []
     for r, count in enumerate(case.tokens):
         rows = []
         for i in range(count):
             first = in_play[(i + r) % len(in_play)]
-            for attempt in range(1000):
-                row = rank_tensor(f"{case.key}/x/{i}/{attempt}", r, (1, D), torch.float32)
-                probs = moe.router(row.double()).softmax(-1)[0]
+            for attempt in range(100):
+                z = rank_tensor(f"{case.key}/x/{i}/{attempt}", r, (1, D), torch.float64)
+                logits = moe.router(z)[0].detach()
+                lead = (logits[in_play].max() - logits[first] + 1.0).clamp(min=0.0)
+                along = weight[first] / weight[first].dot(weight[first])  # +1 logit, e only
+                row = (z + lead * along).float()
+                probs = moe.router(row.double()).softmax(-1)[0].detach()
                 ranked = probs.sort(descending=True).values
                 clear = k == E or float(ranked[k - 1] - ranked[k]) > MARGIN
                 if clear and int(probs.argmax()) == first:
