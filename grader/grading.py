@@ -34,9 +34,8 @@ from grader.identity import Identity
 from grader.judge.audit import audit
 from grader.judge.plugin import GradingPlugin
 from grader.judge.verdict import Verdict
-from grader.launch.job import probe
+from grader.launch.job import JobSettings, probe
 from grader.launch.nodes import Head, node_key, pack_folder
-from grader.launch.world import JobSettings
 from grader.options import Nodes, NodesError
 from grader.report.results import GradedResult
 from grader.secret import secret, secret_path

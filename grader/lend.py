@@ -25,9 +25,8 @@ from pathlib import Path
 from grader import identity as uids
 from grader import protocol, sandbox, wire
 from grader.grading import job_settings
-from grader.launch.job import TorchrunJob, node_job
+from grader.launch.job import JobSettings, TorchrunJob, node_job
 from grader.launch.nodes import join_head, node_key, unpack_folder
-from grader.launch.world import JobSettings
 from grader.options import Nodes, NodesError
 from grader.wire import Frame
 

@@ -1,8 +1,9 @@
 """Sandboxes for the ranks of a student's job, at the strongest level the machine allows.
 
 Torchrun starts, for each rank, a small trusted wrapper (the grader's user, outside any
-sandbox) that calls ``Sandbox(...).exec(argv)``: the wrapper's process becomes the
-sandboxed worker, so torchrun still sees and signals its own child.
+sandbox, :mod:`grader.launch.sandboxed`) that starts the worker with
+``Sandbox(...).popen(argv, log)``, waits for it, and dies with torchrun; the sandbox
+dies with the wrapper.
 
 Three levels, strongest first:
 
@@ -14,7 +15,8 @@ Three levels, strongest first:
   prefix back readable. Not root: bwrap maps the caller's uid in a user namespace.
 * ``uid``: no namespaces (Docker's default seccomp profile refuses them to unprivileged
   containers, Gradescope's among them) but root: a dedicated uid, rlimits, and
-  permissions for hiding (check them with ``readable_by``); ``kill_uid`` at job end.
+  permissions for hiding (checked with :func:`grader.identity.readable_by`), and every
+  process of the job's uids killed at job end (:func:`grader.identity.kill_uid`).
 * ``none``: a student's laptop: run as is.
 """
 
@@ -364,13 +366,3 @@ def _set_limit(resource_id: int, value: int) -> None:
     if hard != resource.RLIM_INFINITY:
         value = min(value, hard)
     resource.setrlimit(resource_id, (value, value))
-
-
-def __getattr__(name: str) -> object:
-    """``kill_uid``, ``readable_by`` and ``pids_of`` live in :mod:`grader.identity` now,
-    with the uids they act on; the old names still answer here."""
-    if name in ("kill_uid", "readable_by", "pids_of"):
-        from grader import identity
-
-        return getattr(identity, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

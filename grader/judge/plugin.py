@@ -20,7 +20,8 @@ import pytest
 from grader import failures, protocol
 from grader.catalog import GradedTest
 from grader.judge.verdict import Schedule, Verdict
-from grader.launch.world import CallLimits, JobSettings, RankPool, World
+from grader.launch.job import JobSettings
+from grader.launch.world import CallLimits, RankPool, World
 from grader.testkit.record import PartialCredit, TestRecord
 
 OnStart = Callable[[GradedTest], None]

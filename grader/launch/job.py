@@ -28,14 +28,32 @@ from types import TracebackType
 from typing import TYPE_CHECKING
 
 from grader.launch.sandboxed import SandboxPlan, die_with_parent, last_words
+from grader.sandbox import DEFAULT_SCRATCH
 
 if TYPE_CHECKING:
     from grader.identity import Identity
-    from grader.launch.world import JobSettings
+    from grader.launch.nodes import Head
     from grader.options import Nodes
 
 
 RANK_WRAPPER = "grader.launch.sandboxed"  # what torchrun starts on every rank of a graded job
+
+
+@dataclass(frozen=True)
+class JobSettings:
+    """What every job of one grading run shares."""
+
+    work_dir: Path
+    import_dir: Path
+    sandbox: str  # a grader.sandbox.Level value
+    hidden: tuple[Path, ...]
+    readable: tuple[Path, ...]
+    pythonpath: str
+    memory_bytes: int
+    device: str = "cpu"
+    head: Head | None = None  # a job across nodes: this grader is node 0 (grader.launch.nodes)
+    scratch_bytes: int = DEFAULT_SCRATCH
+    identity: Identity | None = None  # as root: the run's own uids, a uid per local rank
 
 
 @dataclass(frozen=True)

@@ -27,34 +27,23 @@ from grader.broker.ops import Gate, Problem, Returned
 from grader.broker.server import Broker
 from grader.broker.traffic import Traffic
 from grader.failures import Fault
-from grader.launch.job import RANK_WRAPPER, TorchrunJob, log_tail, node_job, prepare_job
+from grader.launch.job import (
+    RANK_WRAPPER,
+    JobSettings,
+    TorchrunJob,
+    log_tail,
+    node_job,
+    prepare_job,
+)
 from grader.launch.sandboxed import last_words, rank_exit
 from grader.protocol import RankError, RankExit
-from grader.sandbox import DEFAULT_SCRATCH, limit_reached
+from grader.sandbox import limit_reached
 from grader.wire import Frame
 
 if TYPE_CHECKING:
-    from grader.identity import Identity
     from grader.launch.nodes import Head
 
 _START_SECONDS = 120.0  # torch's import on a loaded laptop, times every rank
-
-
-@dataclass(frozen=True)
-class JobSettings:
-    """What every job of one grading run shares."""
-
-    work_dir: Path
-    import_dir: Path
-    sandbox: str  # a grader.sandbox.Level value
-    hidden: tuple[Path, ...]
-    readable: tuple[Path, ...]
-    pythonpath: str
-    memory_bytes: int
-    device: str = "cpu"
-    head: Head | None = None  # a job across nodes: this grader is node 0 (grader.launch.nodes)
-    scratch_bytes: int = DEFAULT_SCRATCH
-    identity: Identity | None = None  # as root: the run's own uids, a uid per local rank
 
 
 @dataclass

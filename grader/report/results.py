@@ -81,6 +81,7 @@ def _test_entry(number: int, result: GradedResult) -> dict[str, Any]:
         "extra_data": {
             **verdict.details,
             "part": test.part,
+            "test": test.name,
             "target": test.target,
             "world_size": test.world_size,
             "kind": test.kind,

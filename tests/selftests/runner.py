@@ -69,9 +69,8 @@ class Graded:
     def test(self, name: str, world_size: int, part: str | None = None) -> dict[str, Any]:
         for entry in self.tests:
             extra = entry["extra_data"]
-            title = entry["name"].split(": ", 1)[1].rsplit(" (world size", 1)[0]
             if (
-                title == name
+                extra["test"] == name
                 and extra["world_size"] == world_size
                 and part in (None, extra["part"])
             ):
@@ -86,10 +85,7 @@ class Graded:
 
     def outcomes(self) -> dict[tuple[str, int], str]:
         return {
-            (
-                e["name"].split(": ", 1)[1].rsplit(" (world size", 1)[0],
-                e["extra_data"]["world_size"],
-            ): e["extra_data"]["outcome"]
+            (e["extra_data"]["test"], e["extra_data"]["world_size"]): e["extra_data"]["outcome"]
             for e in self.tests
         }
 

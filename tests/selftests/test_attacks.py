@@ -121,7 +121,7 @@ def test_what_the_trusted_side_checks_cannot_be_fooled(tmp_path: Path) -> None:
     they carry, a result that would blow up when compared, a replay meant to give up, and
     floods of messages: each earns nothing, and the grader says why."""
     graded = _grade(tmp_path, materialize("attack_trust", tmp_path / "subs"), "--world-size", "2")
-    tests = {t["name"].split(": ", 1)[1].rsplit(" (world size", 1)[0]: t for t in graded["tests"]}
+    tests = {t["extra_data"]["test"]: t for t in graded["tests"]}
     for name in ("all_reduce", "broadcast", "all_gather", "scatter", "gather"):
         for test in (name, f"communication[{name}]", f"performance[{name}]"):
             assert tests[test]["score"] == 0, (test, tests[test]["output"])

@@ -118,7 +118,7 @@ def test_cheats_earn_nothing(tmp_path: Path):
         cwd=tmp_path,
     )
     results = json.loads((tmp_path / "results.json").read_text())
-    by_name = {t["name"].split(": ")[1].split(" (")[0]: t for t in results["tests"]}
+    by_name = {t["extra_data"]["test"]: t for t in results["tests"]}
     assert done.returncode == 1
     for function in ("all_reduce", "broadcast"):
         assert by_name[function]["extra_data"]["outcome"] == "forbidden"

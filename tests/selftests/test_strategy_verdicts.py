@@ -51,7 +51,7 @@ EXPECTED = {  # every entry of results.json, by (name, world size)
 def entries(graded: Graded, part: str) -> dict[tuple[str, int], dict[str, Any]]:
     """The part's results.json entries by (test name, world size)."""
     return {
-        (e["name"].split(": ", 1)[1].rsplit(" (world size", 1)[0], e["extra_data"]["world_size"]): e
+        (e["extra_data"]["test"], e["extra_data"]["world_size"]): e
         for e in graded.tests
         if e["extra_data"]["part"] == part
     }
