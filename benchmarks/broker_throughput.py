@@ -60,8 +60,8 @@ if __name__ == "__main__":
 
 def through_broker(work: Path, p: int, elements: int, iterations: int) -> float:
     from grader import sandbox
+    from grader.course.submission import stage
     from grader.launch.world import CallLimits, JobSettings, RankPool, World
-    from grader.submission import stage
 
     submission = work / "submission"
     submission.mkdir(exist_ok=True)

@@ -25,21 +25,21 @@ from pathlib import Path
 
 import pytest
 
-from grader import config as course
-from grader import identity as uids
 from grader import protocol, sandbox
-from grader.catalog import GradedTest, WorldSizes, graded_pytest
-from grader.config import GradingConfig, RankLimits
-from grader.identity import Identity
+from grader.commands.options import Nodes, NodesError
+from grader.course import config as course
+from grader.course.catalog import GradedTest, WorldSizes, graded_pytest
+from grader.course.config import GradingConfig, RankLimits
+from grader.course.secret import secret, secret_path
+from grader.course.submission import problem_with, stage
 from grader.judge.audit import audit
 from grader.judge.plugin import GradingPlugin
 from grader.judge.verdict import Verdict
 from grader.launch.job import JobSettings, probe
 from grader.launch.nodes import Head, node_key, pack_folder
-from grader.options import Nodes, NodesError
 from grader.report.results import GradedResult
-from grader.secret import secret, secret_path
-from grader.submission import problem_with, stage
+from grader.sandbox import identity as uids
+from grader.sandbox.identity import Identity
 from grader.testkit import data
 from grader.wire import Frame
 

@@ -24,11 +24,11 @@ from rich.progress import Progress
 from rich.table import Table
 
 from grader.bench import records
+from grader.course.submission import stage
 from grader.judge.communication import BUS_FACTOR
 from grader.launch.job import TorchrunJob
 from grader.report.terminal import progress_bar
 from grader.report.units import duration, size
-from grader.submission import stage
 
 IMPLEMENTATIONS = ("student", "reference", "torch")
 DEFAULT_SIZES = tuple(4**k * 1024 for k in range(1, 9))  # 4 KiB ... 64 MiB

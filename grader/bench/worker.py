@@ -26,7 +26,7 @@ from grader.bench import p2p, records
 from grader.bench.accounting import recording
 from grader.bench.calls import TORCH_COLLECTIVES, collective_call
 from grader.bench.timing import time_call
-from grader.config import REPO_ROOT
+from grader.course.config import REPO_ROOT
 from grader.judge.projection import machines, project
 
 

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 from grader import failures, protocol
-from grader.catalog import GradedTest
+from grader.course.catalog import GradedTest
 from grader.judge.verdict import Schedule, Verdict
 from grader.launch.job import JobSettings
 from grader.launch.world import CallLimits, RankPool, World

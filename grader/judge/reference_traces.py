@@ -25,7 +25,7 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
-from grader.config import ConfigError
+from grader.course.config import ConfigError
 from grader.failures import GraderFailure, RankFailure
 
 TRACES_FILE = Path(__file__).with_name("reference_traces.json")
@@ -60,7 +60,7 @@ def reference_messages(function: str, world_size: int, n: int) -> list[list[dict
 
 def graded_sizes() -> dict[int, set[int]]:
     """{world size: element counts} of every cost test in grading.yaml: what must be traced."""
-    from grader.config import load_config
+    from grader.course.config import load_config
 
     part = load_config().part("collectives")
     sizes: dict[int, set[int]] = {}
@@ -79,10 +79,10 @@ def build(sizes: dict[int, set[int]]) -> Traces:
     the reference is the course's own code.
     """
     from grader import sandbox
-    from grader.config import REPO_ROOT
+    from grader.course.config import REPO_ROOT
+    from grader.course.submission import stage
     from grader.grading import job_settings
     from grader.launch.world import CallLimits, RankPool, World
-    from grader.submission import stage
     from grader.testkit import data
     from grader.testkit.calls import COLLECTIVES, collective_call
 

@@ -31,9 +31,9 @@ from grader.launch.sandboxed import SandboxPlan, die_with_parent, last_words
 from grader.sandbox import DEFAULT_SCRATCH
 
 if TYPE_CHECKING:
-    from grader.identity import Identity
+    from grader.commands.options import Nodes
     from grader.launch.nodes import Head
-    from grader.options import Nodes
+    from grader.sandbox.identity import Identity
 
 
 RANK_WRAPPER = "grader.launch.sandboxed"  # what torchrun starts on every rank of a graded job

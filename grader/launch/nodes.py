@@ -47,9 +47,9 @@ from pathlib import Path
 from typing import Any
 
 from grader import protocol, wire
+from grader.commands.options import Nodes, NodesError
 from grader.launch import channel
 from grader.launch.channel import Sealed, connect
-from grader.options import Nodes, NodesError
 from grader.wire import Frame
 
 __all__ = ["Head", "connect", "join_head", "node_key", "pack_folder", "unpack_folder"]
@@ -63,7 +63,7 @@ Serve = Callable[[int, Sealed, bool], None]
 
 
 def node_key() -> bytes:
-    from grader.secret import derive
+    from grader.course.secret import derive
 
     return derive("grader nodes")
 

@@ -24,8 +24,8 @@ import threading
 from collections.abc import Callable
 
 from grader import protocol, wire
+from grader.commands.options import NodesError
 from grader.launch.channel import Sealed, connect
-from grader.options import NodesError
 from grader.protocol import RankExit
 from grader.wire import Frame
 

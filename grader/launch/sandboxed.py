@@ -46,7 +46,7 @@ class SandboxPlan:
     pythonpath: str
     memory_bytes: int
     scratch_bytes: int = DEFAULT_SCRATCH
-    # As root, local rank r runs as first_uid + r (grader.identity); otherwise every rank is
+    # As root, local rank r runs as first_uid + r (grader.sandbox.identity); otherwise every rank is
     # nobody in a user namespace of its own.
     first_uid: int | None = None
     device: str = "cpu"

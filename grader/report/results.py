@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from grader.catalog import GradedTest
+from grader.course.catalog import GradedTest
 from grader.judge.verdict import Verdict
 
 RESULTS_MODE = 0o644  # Gradescope's harness and TAs read it, whoever wrote it

@@ -10,7 +10,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 from rich.text import Text
 
-from grader.catalog import GradedTest
+from grader.course.catalog import GradedTest
 from grader.judge.verdict import Verdict
 from grader.protocol import clean
 from grader.report import ring

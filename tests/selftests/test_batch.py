@@ -218,7 +218,7 @@ def test_names_a_student_chose_cannot_break_the_batch_nor_what_a_ta_opens(tmp_pa
 
 
 def test_no_student_folder_is_a_file_of_the_batch_and_no_two_students_share_one():
-    from grader.batch import FAILURES, GRADEBOOK, SETTINGS, folder_of
+    from grader.commands.batch import FAILURES, GRADEBOOK, SETTINGS, folder_of
 
     names = ["alice", "gradebook.csv", "Gradebook.CSV", "gradebook.csv~", "gradebook.csv~~"]
     names += ["batch.json", "FAILURES.TXT", "bob~", "bob"]
@@ -232,7 +232,7 @@ def test_no_student_folder_is_a_file_of_the_batch_and_no_two_students_share_one(
     "text", ["=1+1", "+1", "-1", "@SUM(A1)", "\tx", "\rx", "'=1", "''", "'", "alice", "", "a=b"]
 )
 def test_a_gradebook_cell_runs_nothing_and_reads_back_as_it_was(text: str):
-    from grader.batch import from_cell, to_cell
+    from grader.commands.batch import from_cell, to_cell
 
     cell = to_cell(text)
     assert not cell.startswith(("=", "+", "-", "@", "\t", "\r"))

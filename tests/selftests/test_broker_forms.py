@@ -21,9 +21,9 @@ import torch
 from runner import SUBMISSIONS
 
 from grader import sandbox
+from grader.course.submission import stage
 from grader.grading import job_settings
 from grader.launch.world import CallLimits, RankPool
-from grader.submission import stage
 
 FORMS = SUBMISSIONS / "broker_forms"
 P = 3

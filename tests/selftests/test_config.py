@@ -14,9 +14,10 @@ from pathlib import Path
 import pytest
 from runner import REPO
 
-from grader import config
-from grader.catalog import GradedTest
-from grader.config import ConfigError, find_config, load_config
+from grader.course import config
+from grader.course.catalog import GradedTest
+from grader.course.config import ConfigError, find_config, load_config
+from grader.course.submission import SubmissionError, find_modules
 from grader.judge.verdict import Verdict
 from grader.report.results import (
     GradedResult,
@@ -26,7 +27,6 @@ from grader.report.results import (
     to_gradescope,
     write_results,
 )
-from grader.submission import SubmissionError, find_modules
 
 GRADED = REPO / "tests" / "graded"
 

@@ -79,7 +79,7 @@ def test_the_zip_has_the_scripts_at_its_root_and_nothing_private(autograder: Aut
         infos = {info.filename: info for info in archive.infolist()}
     for script in ("setup.sh", "run_autograder"):
         assert (infos[script].external_attr >> 16) & 0o111, f"{script} is not executable"
-    for needed in ("pyproject.toml", "grader/cli.py", "reference/collectives.py"):
+    for needed in ("pyproject.toml", "grader/commands/cli.py", "reference/collectives.py"):
         assert needed in infos
     assert "tests/graded/grading.yaml" in infos
     for name in infos:

@@ -25,8 +25,9 @@ from pathlib import Path
 import pytest
 from runner import REPO, materialize, run_grader, start_grader
 
-from grader import identity, sandbox
+from grader import sandbox
 from grader.grading import UNSANDBOXED
+from grader.sandbox import identity
 
 root_only = pytest.mark.skipif(
     sys.platform != "linux" or os.geteuid() != 0, reason="uids are reserved by root only"

@@ -16,13 +16,13 @@ from grader import protocol, wire
 from grader.broker.ops import Limits
 from grader.broker.server import Broker
 from grader.broker.traffic import Wait
+from grader.commands.options import Nodes, NodesError
 from grader.judge.audit import audit
 from grader.judge.communication import figures, min_rounds
 from grader.judge.costs import judge_performance
 from grader.judge.projection import machines, project
 from grader.judge.replay import ReplayError
 from grader.launch.nodes import Head, connect
-from grader.options import Nodes, NodesError
 from grader.wire import Frame, WireError
 
 

@@ -18,8 +18,8 @@ import yaml
 from installs import make_venv, run
 from runner import REPO, run_grader
 
-from grader.config import load_config
-from grader.release import build_release
+from grader.commands.release import build_release
+from grader.course.config import load_config
 
 # At world size 2, all_reduce's correctness, communication and performance tests.
 SELECTION = ["collectives", "-k", "all_reduce", "--world-size", "2"]
@@ -30,7 +30,7 @@ SHIPPED = (
     ".gitignore",
     "docs/commands.md",
     "assignments/collectives.py",
-    "grader/cli.py",
+    "grader/commands/cli.py",
     "grader/judge/reference_traces.json",
     "grader/judge/machines.yaml",
     "tests/graded/grading.yaml",

@@ -29,8 +29,8 @@ from pathlib import Path
 import pytest
 from runner import REPO
 
-from grader import identity, sandbox
-from grader.sandbox import GUARANTEES, Level, Sandbox, SandboxError
+from grader import sandbox
+from grader.sandbox import GUARANTEES, Level, Sandbox, SandboxError, identity
 
 PROBE = r"""
 import ctypes, fcntl, json, os, socket, sys, time

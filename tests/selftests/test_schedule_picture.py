@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from grader import protocol
-from grader.catalog import GradedTest
-from grader.config import TestSettings
+from grader.course.catalog import GradedTest
+from grader.course.config import TestSettings
 from grader.judge.verdict import Schedule, Verdict
 from grader.report.results import GradedResult
 from grader.report.timeline import draw_failed_schedules, png_path

@@ -21,11 +21,11 @@ from typing import TYPE_CHECKING
 import pytest
 from runner import REPO
 
-from grader.config import GradingConfig, load_config
+from grader.course.config import GradingConfig, load_config
 from grader.testkit.calls import COLLECTIVES
 
 if TYPE_CHECKING:
-    from grader.config import TestSettings
+    from grader.course.config import TestSettings
 
 ASSIGNMENTS = REPO / "assignments"
 CONFIG = load_config(REPO / "tests" / "graded" / "grading.yaml")

@@ -12,8 +12,8 @@ import io
 from rich.console import Console
 
 from grader import protocol
-from grader.catalog import GradedTest
-from grader.config import TestSettings as Settings
+from grader.course.catalog import GradedTest
+from grader.course.config import TestSettings as Settings
 from grader.judge.verdict import Verdict
 from grader.report.results import GradedResult
 from grader.report.summary import fix_first, part_matrix

@@ -15,8 +15,8 @@ Three levels, strongest first:
   prefix back readable. Not root: bwrap maps the caller's uid in a user namespace.
 * ``uid``: no namespaces (Docker's default seccomp profile refuses them to unprivileged
   containers, Gradescope's among them) but root: a dedicated uid, rlimits, and
-  permissions for hiding (checked with :func:`grader.identity.readable_by`), and every
-  process of the job's uids killed at job end (:func:`grader.identity.kill_uid`).
+  permissions for hiding (checked with :func:`grader.sandbox.identity.readable_by`), and every
+  process of the job's uids killed at job end (:func:`grader.sandbox.identity.kill_uid`).
 * ``none``: a student's laptop: run as is.
 """
 
@@ -37,7 +37,7 @@ from enum import Enum
 from pathlib import Path
 from typing import IO, NoReturn
 
-from grader import syscall_filter
+from grader.sandbox import syscall_filter
 
 __all__ = ["GUARANTEES", "Level", "Sandbox", "SandboxError", "detect", "limit_reached"]
 
@@ -213,7 +213,7 @@ class Sandbox:
     ``scratch_bytes`` of its own (nothing it writes reaches the host's disk), at ``uid`` the
     host's folder, where no file may exceed ``max_file_bytes``.
 
-    The limits are per rank: ``uid`` is the rank's own (``grader.identity``), so the
+    The limits are per rank: ``uid`` is the rank's own (``grader.sandbox.identity``), so the
     process cap counts its processes and threads alone.
     """
 

@@ -18,7 +18,7 @@ import stat
 from collections.abc import Collection
 from pathlib import Path
 
-from grader import config
+from grader.course import config
 
 REFERENCE_KEYWORD = "reference"
 # The module files when the configuration is not at hand: the course's parts.

@@ -16,8 +16,8 @@ from typing import Any
 
 import pytest
 
-from grader import config as course
-from grader.config import KINDS, ConfigError, GradingConfig, TestSettings
+from grader.course import config as course
+from grader.course.config import KINDS, ConfigError, GradingConfig, TestSettings
 
 _AUTOLOAD = "PYTEST_DISABLE_PLUGIN_AUTOLOAD"
 

@@ -6,7 +6,7 @@ import argparse
 from dataclasses import dataclass
 from pathlib import Path
 
-from grader.config import CONFIG_ENV
+from grader.course.config import CONFIG_ENV
 
 
 class UsageError(Exception):

@@ -26,7 +26,7 @@ from grader.sandbox import DEFAULT_MEMORY, DEFAULT_SCRATCH, MiB
 
 CONFIG_ENV = "GRADER_CONFIG"
 _RELATIVE_CONFIG = Path("tests") / "graded" / "grading.yaml"
-_PACKAGE_CHECKOUT = Path(__file__).resolve().parent.parent
+_PACKAGE_CHECKOUT = Path(__file__).resolve().parents[2]
 
 
 class ConfigError(Exception):

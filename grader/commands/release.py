@@ -6,7 +6,7 @@ instructor adds to the course directory stays private until it is named here:
 ``deploy/``, ``.github/``, ``gradescope/``, the benchmarks (they run the
 reference), ``.git``, caches, results and build outputs are never copied. The
 files are chosen as the Gradescope zip chooses them
-(:func:`grader.gradescope.course_files`); the grader's data (the reference's
+(:func:`grader.commands.gradescope.course_files`); the grader's data (the reference's
 message patterns, the machine models) travels inside ``grader/``, so the
 release grades the cost tests as the course does, without a reference.
 
@@ -36,8 +36,8 @@ from typing import Any
 
 import yaml
 
-from grader.config import ConfigError, GradingConfig, load_config
-from grader.gradescope import course_files
+from grader.commands.gradescope import course_files
+from grader.course.config import ConfigError, GradingConfig, load_config
 
 # Top-level files and folders of the course directory that students get (with tests/graded/).
 RELEASED = ("pyproject.toml", "README.md", "LICENSE", ".gitignore", "grader", "assignments", "docs")

@@ -16,8 +16,8 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import grader
-from grader import config as course
-from grader.config import ConfigError, GradingConfig
+from grader.course import config as course
+from grader.course.config import ConfigError, GradingConfig
 
 SCRIPTS = ("setup.sh", "run_autograder")
 # What setup.sh installs and run_autograder grades with, relative to the course directory.
@@ -69,7 +69,7 @@ def course_files(config: GradingConfig, names: Iterable[str], output: Path) -> l
     with ``tests/graded/`` (the configuration in use as ``grading.yaml``, which
     is where the installed grader looks), without caches, build outputs,
     results, links or ``output`` itself. Shared by the Gradescope zip and the
-    student release (:mod:`grader.release`), so that both ship the same way.
+    student release (:mod:`grader.commands.release`), so that both ship the same way.
     """
     root = course.course_root(config.path)
     graded = config.path.parent

@@ -22,12 +22,12 @@ import sys
 import tempfile
 from pathlib import Path
 
-from grader import identity as uids
 from grader import protocol, sandbox, wire
+from grader.commands.options import Nodes, NodesError
 from grader.grading import job_settings
 from grader.launch.job import JobSettings, TorchrunJob, node_job
 from grader.launch.nodes import join_head, node_key, unpack_folder
-from grader.options import Nodes, NodesError
+from grader.sandbox import identity as uids
 from grader.wire import Frame
 
 EXIT_DONE, EXIT_FAILED = 0, 2

@@ -14,7 +14,7 @@ grader could not grade (bad arguments, bad configuration, no such directory).
 Anything wrong with the input is one line on stderr, never a traceback.
 
 The modules that grade are imported only once the configuration is chosen
-(``--config``): they read the course's paths from :mod:`grader.config`, and
+(``--config``): they read the course's paths from :mod:`grader.course.config`, and
 ``grader --help`` stays fast.
 """
 
@@ -34,14 +34,14 @@ from typing import TYPE_CHECKING
 from rich.console import Console
 from rich.markup import escape
 
-from grader import batch as batching
 from grader import sandbox
-from grader.config import ConfigError, GradingConfig, activate, find_config, load_config
-from grader.options import Nodes, NodesError, UsageError, parser
-from grader.submission import SubmissionError, resolve
+from grader.commands import batch as batching
+from grader.commands.options import Nodes, NodesError, UsageError, parser
+from grader.course.config import ConfigError, GradingConfig, activate, find_config, load_config
+from grader.course.submission import SubmissionError, resolve
 
 if TYPE_CHECKING:
-    from grader.catalog import GradedTest
+    from grader.course.catalog import GradedTest
     from grader.grading import GradingRun
 
 EXIT_PASSED, EXIT_FAILED, EXIT_CANNOT_GRADE = 0, 1, 2
@@ -62,12 +62,12 @@ def main(argv: list[str] | None = None) -> int:
         activate(find_config(args.config))
         config = load_config()
         if args.command == "gradescope":
-            from grader.gradescope import build_zip
+            from grader.commands.gradescope import build_zip
 
             console.print(f"autograder zip written to {build_zip(config, args.output)}")
             return EXIT_PASSED
         if args.command == "release":
-            from grader.release import build_release
+            from grader.commands.release import build_release
 
             made = build_release(config, args.output)
             for name in made.partly_hidden:
@@ -85,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
             return _bench(console, args, modules)
         if args.command == "batch":
             return _batch(args, config, parts)
-        from grader.catalog import collect
+        from grader.course.catalog import collect
         from grader.report.results import ResultsPathError, check_writable
 
         nodes = Nodes.from_options(args.nnodes, args.node_rank, args.rdzv_endpoint)
@@ -209,7 +209,7 @@ def _write(
 
 
 def _list(console: Console, config: GradingConfig, parts: list[str]) -> int:
-    from grader.catalog import collect
+    from grader.course.catalog import collect
     from grader.report.terminal import print_listing
 
     try:
@@ -253,7 +253,7 @@ def _bench(console: Console, args: argparse.Namespace, modules: list[str]) -> in
 
 def _batch(args: argparse.Namespace, config: GradingConfig, parts: list[str]) -> int:
     """Check the whole selection once, here, rather than fail it once per student."""
-    from grader.catalog import collect
+    from grader.course.catalog import collect
 
     if args.merge:
         if args.submissions is not None or args.parts or args.shard:
@@ -284,7 +284,7 @@ def _batch(args: argparse.Namespace, config: GradingConfig, parts: list[str]) ->
 
 def _lend(nodes: Nodes, sandbox_request: str) -> int:
     """A node other than node 0: lend ranks to node 0's jobs until grading is over."""
-    from grader.lend import lend_ranks
+    from grader.commands.lend import lend_ranks
 
     try:
         with _terminate_as_interrupt():
