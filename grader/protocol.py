@@ -50,6 +50,7 @@ from __future__ import annotations
 import re
 import signal
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 # Outcomes of a graded test.
@@ -97,6 +98,13 @@ RELAY_ONLY = (EXITED, BROKEN)
 REFUSED_ERROR = "BrokerRefused"
 
 MAX_TEXT = 2000
+
+
+def rank_socket(socket_dir: Path, rank: int) -> Path:
+    """The Unix socket where rank ``rank`` meets the broker (or its node's relay)."""
+    return socket_dir / f"rank{rank}.sock"
+
+
 # Whole escape sequences first (ESC [ ... letter), then any other control character.
 _CONTROL = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]|[\x00-\x08\x0b-\x1f\x7f-\x9f]")
 

@@ -31,14 +31,10 @@ class Connections(ABC):
         """One Unix socket per rank in ``socket_dir``: the ranks of this machine."""
         for rank in range(self.world_size):
             listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            listener.bind(str(self.socket_path(socket_dir, rank)))
+            listener.bind(str(protocol.rank_socket(socket_dir, rank)))
             listener.listen(1)
             self._listeners.append(listener)
             threading.Thread(target=self._accept, args=(rank, listener), daemon=True).start()
-
-    @staticmethod
-    def socket_path(socket_dir: Path, rank: int) -> Path:
-        return socket_dir / f"rank{rank}.sock"
 
     def connected(self) -> list[int]:
         with self._cv:

@@ -171,7 +171,7 @@ def _hidden_files(config: GradingConfig) -> tuple[set[str], set[str]]:
         for file in part.files:
             names = _test_names(file)
             # after_due_date and after_published tests are secret until then, too
-            invisible = {n for n in names if part.settings_for(n).visibility != "visible"}
+            invisible = {n for n in names if not part.settings_for(n).visible}
             where = _relative(file, config)
             if names and invisible == names:
                 hidden.add(where)

@@ -115,8 +115,12 @@ GRADED_DIR = DEFAULT_CONFIG.parent
 REPO_ROOT = course_root(DEFAULT_CONFIG)
 GRADED_PYTEST_ARGS = _pytest_args(GRADED_DIR)
 
-VISIBILITIES = ("hidden", "after_due_date", "after_published", "visible")
-KINDS = ("correctness", "performance", "communication", "schedule")
+VISIBLE = "visible"  # shown to students at once; the others later or never
+VISIBILITIES = ("hidden", "after_due_date", "after_published", VISIBLE)
+# What a graded test checks: its result, or one of the costs (in the order a summary shows
+# them: the bytes, the time, the schedule), which earn points only on a correct result.
+COST_KINDS = ("communication", "performance", "schedule")
+KINDS = ("correctness", *COST_KINDS)
 # Gradescope's top-level keys a ``gradescope:`` block may set, each a visibility.
 GRADESCOPE_KEYS = ("visibility", "stdout_visibility")
 
@@ -133,6 +137,11 @@ class TestSettings:
     options: dict[str, Any] = field(default_factory=dict)
     # Every world size must divide this (tests that shard fixed dimensions across ranks).
     world_sizes_divide: int | None = None
+
+    @property
+    def visible(self) -> bool:
+        """Shown to students as soon as they are graded."""
+        return self.visibility == VISIBLE
 
 
 @dataclass(frozen=True)
@@ -249,12 +258,12 @@ def _gradescope(body: Any, parts: dict[str, PartConfig], path: Path) -> dict[str
             raise ConfigError(
                 f"{path}: gradescope.{key} must be one of {', '.join(VISIBILITIES)}, got {value!r}"
             )
-    if body.get("stdout_visibility") == "visible":
+    if body.get("stdout_visibility") == VISIBLE:
         for part in parts.values():
             hidden = [
                 name
                 for name in (None, *part.overrides)
-                if (part.settings_for(name) if name else part.defaults).visibility != "visible"
+                if not (part.settings_for(name) if name else part.defaults).visible
             ]
             if hidden:
                 which = f"{part.name}.tests.{hidden[0]}" if hidden[0] else part.name
@@ -314,7 +323,7 @@ def _settings(
         world_sizes=tuple(world_sizes),
         points=_number(get("points", 1), where, "points", minimum=0),
         timeout=_number(get("timeout", 60), where, "timeout", minimum=0.1),
-        visibility=str(get("visibility", "visible")),
+        visibility=str(get("visibility", VISIBLE)),
         forbid_collectives=bool(get("forbid_collectives", False)),
         options=options,
         world_sizes_divide=_divisor(get("world_sizes_divide", 0), where),

@@ -15,6 +15,7 @@ folder for the ranks' sockets) is made here too: :func:`prepare_job`, and
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import shutil
 import signal
@@ -27,8 +28,9 @@ from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING
 
-from grader.launch.sandboxed import SandboxPlan, die_with_parent, last_words
-from grader.sandbox import DEFAULT_SCRATCH
+from grader.launch.sandboxed import SandboxPlan, last_words
+from grader.protocol import rank_socket
+from grader.sandbox import DEFAULT_SCRATCH, die_with
 
 if TYPE_CHECKING:
     from grader.commands.options import Nodes
@@ -118,7 +120,8 @@ class TorchrunJob:
                 stderr=subprocess.STDOUT,
                 env=env,
                 start_new_session=True,
-                preexec_fn=die_with_parent,  # the grader killed: torchrun and its ranks go too
+                # the grader killed: torchrun and its ranks go too
+                preexec_fn=functools.partial(die_with, os.getpid()),
             )
 
     def running(self) -> bool:
@@ -279,7 +282,7 @@ def probe(settings: JobSettings) -> str | None:
     env = {**os.environ, "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"}
     command = [sys.executable, "-m", RANK_WRAPPER, str(job_dir), "--probe"]
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)  # bound in, as the broker's
-    listener.bind(str(socket_dir / "rank0.sock"))
+    listener.bind(str(rank_socket(socket_dir, 0)))
     try:
         done = subprocess.run(
             command, env=env, capture_output=True, timeout=PROBE_SECONDS, start_new_session=True

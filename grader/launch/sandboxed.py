@@ -11,7 +11,6 @@ student's outlives the job, even when the grader itself is killed.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import json
 import os
 import signal
@@ -20,10 +19,9 @@ import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from grader.protocol import RankExit, clean
-from grader.sandbox import DEFAULT_SCRATCH, NOBODY, Level, Sandbox
+from grader.protocol import RankExit, clean, rank_socket
+from grader.sandbox import DEFAULT_SCRATCH, NOBODY, Level, Sandbox, die_with
 
-_PR_SET_PDEATHSIG = 1
 #: What ``--probe`` runs in rank 0's sandbox instead of the worker: the interpreter, and
 #: the sources of the grader's rank side and of torch opened through the very binds a graded
 #: job uses (not imported: torch's import would cost seconds more).
@@ -95,17 +93,12 @@ def last_words(job_dir: Path, rank: int, limit: int = 300) -> str:
     return clean(" | ".join(lines[-2:]), limit)
 
 
-def die_with_parent() -> None:
-    if sys.platform == "linux":
-        ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-
-
 def main(job_dir: Path, probe: bool = False) -> int:
-    die_with_parent()
+    die_with(os.getppid())  # torchrun
     plan = SandboxPlan.read(job_dir)
     rank = int(os.environ["RANK"])
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
-    socket_path = Path(plan.socket_dir) / f"rank{rank}.sock"
+    socket_path = rank_socket(Path(plan.socket_dir), rank)
     listener = None
     if plan.broker:  # a job across nodes: this wrapper relays its rank to the head's broker
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)

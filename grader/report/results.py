@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -33,13 +34,32 @@ class GradedResult:
         return self.test.settings.points
 
 
+@dataclass(frozen=True)
+class Points:
+    """Points earned and possible over some results: the one place where they add up."""
+
+    earned: float
+    possible: float
+
+    @classmethod
+    def of(cls, results: Iterable[GradedResult]) -> Points:
+        results = list(results)
+        return cls(sum(r.score for r in results), sum(r.max_score for r in results))
+
+    @property
+    def partial(self) -> bool:
+        """Some of the points, not all."""
+        return 0 < self.earned < self.possible
+
+    def __str__(self) -> str:
+        return f"{self.earned:g} / {self.possible:g}"
+
+
 def student_summary(results: list[GradedResult]) -> str:
     """The top-level ``output``: points and passes of the visible tests only."""
-    shown = [r for r in results if r.test.settings.visibility == "visible"]
-    total = sum(r.score for r in shown)
-    maximum = sum(r.max_score for r in shown)
+    shown = [r for r in results if r.test.settings.visible]
     passed = sum(r.verdict.passed for r in shown)
-    return f"{total:g} / {maximum:g} points; {passed} of {len(shown)} tests passed"
+    return f"{Points.of(shown)} points; {passed} of {len(shown)} tests passed"
 
 
 def to_gradescope(
@@ -57,7 +77,7 @@ def to_gradescope(
     """
     per_node = {"sandbox_per_node": list(sandbox_per_node)} if sandbox_per_node else {}
     return {
-        "score": round(sum(r.score for r in results), 4),
+        "score": round(Points.of(results).earned, 4),
         "execution_time": round(seconds, 1),
         "output": summary,
         "output_format": "text",

@@ -18,7 +18,8 @@ from rich.table import Table
 from rich.text import Text
 
 from grader import protocol
-from grader.report.results import GradedResult
+from grader.course.config import COST_KINDS
+from grader.report.results import GradedResult, Points
 
 PASS_MARK, FAIL_MARK, PARTIAL = "✓", "✗", "partial"
 OUTCOME_STYLE = {
@@ -33,7 +34,6 @@ OUTCOME_STYLE = {
 PARTIAL_STYLE = "yellow"
 LEGEND = "p = world size; ✓ passed, ✗ failed, partial: some of the points"
 # Costs are graded on top of correctness: their columns follow the world sizes.
-COST_KINDS = ("communication", "performance", "schedule")
 _WRONG_RESULT = re.compile(r"(: element \S+.*: expected .*, got )|(: expected (shape|dtype) )")
 _NUMBER = re.compile(r"\d+(\.\d+)?(e[-+]?\d+)?")
 _LIST = re.compile(r"#(, #)+")  # "ranks 1, 2, 3" is "ranks #" whatever the world size
@@ -64,7 +64,7 @@ def _cell(results: list[GradedResult]) -> Text:
         return Text("")
     if all(r.verdict.passed for r in results):
         return Text(PASS_MARK, style=OUTCOME_STYLE[protocol.PASSED])
-    if 0 < sum(r.score for r in results) < sum(r.max_score for r in results):
+    if Points.of(results).partial:
         return Text(PARTIAL, style=PARTIAL_STYLE)
     outcomes = {r.verdict.outcome for r in results if not r.verdict.passed}
     outcome = outcomes.pop() if len(outcomes) == 1 else protocol.FAILED
@@ -85,8 +85,7 @@ def _cost_cell(results: list[GradedResult]) -> Text:
 
 
 def _points(results: Iterable[GradedResult]) -> str:
-    results = list(results)
-    return f"{sum(r.score for r in results):g} / {sum(r.max_score for r in results):g}"
+    return str(Points.of(results))
 
 
 def matrix_rows(results: list[GradedResult]) -> dict[str, list[GradedResult]]:

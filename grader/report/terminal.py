@@ -14,7 +14,7 @@ from grader.course.catalog import GradedTest
 from grader.judge.verdict import Verdict
 from grader.protocol import clean
 from grader.report import ring
-from grader.report.results import GradedResult
+from grader.report.results import GradedResult, Points
 from grader.report.summary import (
     LEGEND,
     OUTCOME_STYLE,
@@ -93,13 +93,12 @@ def print_summary(
         for line in review[:20]:
             console.print(f"  {_shown(line)}", highlight=False)
     console.print(f"[dim]student code isolated by: {escape(sandbox)}[/]")
-    total = sum(r.score for r in results)
-    maximum = sum(r.max_score for r in results)
+    points = Points.of(results)
     passed = sum(r.verdict.passed for r in results)
     partial = sum(is_partial(r) for r in results)
     some = f", {partial} with partial credit" if partial else ""
     console.print(
-        f"[bold]Total: {total:g} / {maximum:g} points[/]  "
+        f"[bold]Total: {points} points[/]  "
         f"({passed} of {len(results)} tests passed{some}, {seconds:.1f} s)"
     )
 

@@ -39,7 +39,15 @@ from typing import IO, NoReturn
 
 from grader.sandbox import syscall_filter
 
-__all__ = ["GUARANTEES", "Level", "Sandbox", "SandboxError", "detect", "limit_reached"]
+__all__ = [
+    "GUARANTEES",
+    "Level",
+    "Sandbox",
+    "SandboxError",
+    "detect",
+    "die_with",
+    "limit_reached",
+]
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -307,7 +315,7 @@ class Sandbox:
         """
         parent = os.getppid()
         if self.level is not Level.UID:
-            _die_with(parent)
+            die_with(parent)
         if self.level is Level.NONE:
             os.chdir(self.scratch)
             return
@@ -323,7 +331,7 @@ class Sandbox:
         if self.level is Level.UID:
             drop_to(self.uid, self.gid)
             os.chdir(self.scratch)
-            _die_with(parent)
+            die_with(parent)
             syscall_filter.load(syscall_filter.program())  # last: for good, and for all it starts
 
     def exec(self, argv: Sequence[str]) -> NoReturn:
@@ -353,8 +361,11 @@ class Sandbox:
                 os.close(fd)
 
 
-def _die_with(parent: int) -> None:
-    """SIGKILL to this process when ``parent`` dies (kept across exec of a plain binary)."""
+def die_with(parent: int) -> None:
+    """SIGKILL to this process when ``parent`` dies (kept across exec of a plain binary).
+    Linux only; elsewhere (a student's own run) nothing."""
+    if sys.platform != "linux":
+        return
     _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
     if os.getppid() != parent:  # the parent died before prctl took effect
         os._exit(137)

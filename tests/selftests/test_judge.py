@@ -69,7 +69,7 @@ class FakeRank:
 
     def __init__(self, broker_dir: Path, rank: int) -> None:
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.sock.connect(str(Broker.socket_path(broker_dir, rank)))
+        self.sock.connect(str(protocol.rank_socket(broker_dir, rank)))
         self.frames: list[Frame] = []
         threading.Thread(target=self._read, daemon=True).start()
 
