@@ -6,7 +6,7 @@ One torchrun job alternates the two (reference first, then torch first, and
 so on) on the same float32 tensor, each call after a barrier; an iteration
 lasts as long as its slowest rank; the figure is the median of the paired
 ratios reference / torch (wall-clock over gloo: the performance tests replay message
-patterns instead, see grader/judge/costs.py).
+patterns instead, see grader/testkit/costs.py).
 """
 
 from __future__ import annotations

@@ -7,9 +7,9 @@ The graded tests run in the grader's own process; the ranks only run the
 student's code on arguments made here and send back what came of them. One
 torchrun job serves every test of a world size; a job that a rank crashed or
 hung in is killed whole and a fresh one starts at the next call.
-:meth:`World.call` returns only when every rank returned normally and the
-broker saw nothing wrong; otherwise it raises the failure that explains
-what happened (:mod:`grader.failures`), blaming the root cause.
+The pool runs a call and reports what came of it as data; the judge of a
+call (:mod:`grader.judge.call`) turns that into the result, or into the
+failure that explains what happened, blaming the root cause.
 """
 
 from __future__ import annotations
@@ -23,10 +23,18 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from grader import failures, protocol, wire
-from grader.broker.ops import Gate, Problem, Returned
+from grader.broker.ops import Gate
 from grader.broker.server import Broker
-from grader.broker.traffic import Traffic
-from grader.failures import Fault
+from grader.judge.call import (
+    CallResult,
+    Died,
+    Finished,
+    Stopped,
+    Stuck,
+    judge_finished,
+    judge_stopped,
+    poisoned_import,
+)
 from grader.launch.job import (
     RANK_WRAPPER,
     JobSettings,
@@ -36,8 +44,7 @@ from grader.launch.job import (
     prepare_job,
 )
 from grader.launch.sandboxed import last_words, rank_exit
-from grader.protocol import RankError, RankExit
-from grader.sandbox import limit_reached
+from grader.protocol import RankExit
 from grader.wire import Frame
 
 if TYPE_CHECKING:
@@ -52,17 +59,6 @@ class CallLimits:
 
     timeout: float = 30.0
     forbid_collectives: bool = False
-
-
-@dataclass
-class CallResult:
-    """Every rank's result of one call, and what the broker saw of it."""
-
-    returned: list[Any]
-    args: list[tuple[Any, ...]]
-    rebound: list[tuple[str, ...]]
-    traffic: Traffic
-    seconds: float = 0.0
 
 
 @dataclass
@@ -152,50 +148,20 @@ class RankPool:
                 "args": node,
             }
             frames.append(Frame(header, buffers))
-        suffix = f" (case: {case})" if case else ""  # every message names the input case
         started = time.monotonic()
         job.broker.start_call(frames, limits.forbid_collectives, [list(g) for g in gates])
         finished = job.broker.wait_call(started + limits.timeout, job.job.running)
         seconds = time.monotonic() - started
         if not finished:
-            self._stop_job(job, part, seconds, suffix)
+            self._stop_job(job, part, seconds, case)
+        broker = job.broker
+        outcomes, problems = broker.outcomes(), list(broker.problems)
+        report = Finished(world_size, outcomes, problems, broker.traffic, seconds)
         try:
-            return self._judge(job.broker, world_size, suffix, seconds)
+            return judge_finished(report, case)
         finally:
-            if job.broker.broken():
+            if broker.broken():
                 self.close()
-
-    def _judge(self, broker: Broker, size: int, suffix: str, seconds: float) -> CallResult:
-        outcomes = broker.outcomes()
-        problems = list(broker.problems)
-        forbidden = sorted(p.message for p in problems if p.kind is Fault.FORBIDDEN)
-        if forbidden:
-            raise failures.ForbiddenCall(forbidden[0])
-        own = {
-            r: o
-            for r, o in enumerate(outcomes)
-            if isinstance(o, RankError) and o.type != protocol.REFUSED_ERROR
-        }
-        if own:
-            echoes = [r for r in range(size) if r not in own and _echo(outcomes[r], problems)]
-            raise _student_failure(own, echoes, suffix)
-        if problems:
-            # The most telling kind, then the lowest rank: the same message whatever the timing.
-            first = min(problems, key=lambda p: (p.kind.precedence, p.message))
-            raise first.kind.failure(first.message + suffix)
-        returned = [o for o in outcomes if isinstance(o, Returned)]
-        if len(returned) != size:
-            raise failures.CommunicationError("a rank's operation was refused" + suffix)
-        values = [r.value for r in returned]
-        if not all(isinstance(v, dict) and isinstance(v.get("args"), list) for v in values):
-            raise failures.CommunicationError("a rank sent back a malformed result" + suffix)
-        return CallResult(
-            [v.get("returned") for v in values],
-            [tuple(v["args"]) for v in values],
-            [r.rebound for r in returned],
-            broker.traffic,
-            seconds,
-        )
 
     # -- jobs -------------------------------------------------------------------------------
 
@@ -242,49 +208,27 @@ class RankPool:
             time.sleep(0.02)
         return _Job(job, broker, job_dir, socket_dir)
 
-    def _stop_job(self, job: _Job, part: str, seconds: float, suffix: str) -> None:
-        """A rank died or is stuck: say which and where, then end the job whole."""
+    def _stop_job(self, job: _Job, part: str, seconds: float, case: str) -> None:
+        """A rank died or is stuck: report which and where to the judge, end the job whole."""
         broker = job.broker
         importing = broker.importing()
         dead = broker.dead()
+        report: Stopped
         if dead or not job.job.running():
             time.sleep(0.2)  # let the exit statuses land
             head = self.settings.head
             exits = {r: _ended(head, broker, job.job_dir, r) for r in dead or range(self.size)}
             self._check_nodes(exits)
-            culprit = _first_dead(exits)
-            during = "while importing the submission" if culprit in importing else "during the call"
-            ended = exits[culprit]
-            failure: failures.RankFailure = failures.Crashed(
-                f"rank {culprit}: the process died {during} "
-                f"({ended.describe() if ended else 'no exit status'})"
-                + suffix
-                + (f"; its last output: {ended.last_words}" if ended and ended.last_words else "")
-            )
+            report = Died(exits, importing)
         else:
-            stuck = broker.still_running()
+            running = broker.still_running()
             blocked = broker.blocked()
-            stacks = broker.stacks([r for r in stuck if r not in blocked])
-            parts = []
-            for rank in stuck:
-                if rank in blocked:
-                    parts.append(f"rank {rank} waits in {blocked[rank]}")
-                elif stacks.get(rank):
-                    parts.append(f"rank {rank} is stuck at {stacks[rank][-1]}")
-                else:
-                    parts.append(f"rank {rank} is stuck outside the submission's code")
-            failure = failures.TimedOut(
-                ("; ".join(parts) if parts else "a rank never returned")
-                + f" (stopped after {seconds:.0f} s)"
-                + suffix
-            )
-            culprit = stuck[0] if stuck else -1
+            stacks = broker.stacks([r for r in running if r not in blocked])
+            report = Stuck(running, blocked, stacks, importing, seconds)
+        failure, culprit = judge_stopped(report, case)
         self.close()
         if culprit in importing:
-            ends = (
-                "never finishes" if isinstance(failure, failures.TimedOut) else "ends the process"
-            )
-            self.poisoned[part] = type(failure)(f"importing {importing[culprit]} {ends}")
+            self.poisoned[part] = poisoned_import(failure, importing[culprit])
         raise failure
 
     def _check_nodes(self, exits: dict[int, RankExit | None]) -> None:
@@ -310,45 +254,6 @@ class RankPool:
             self._job.broker.close()
             shutil.rmtree(self._job.socket_dir, ignore_errors=True)
             self._job = None
-
-
-def _echo(outcome: Returned | RankError | None, problems: list[Problem]) -> bool:
-    """A rank that only suffered from another's failure: its operation was refused."""
-    return (isinstance(outcome, RankError) and outcome.type == protocol.REFUSED_ERROR) or (
-        any(p.kind is Fault.DEADLOCK for p in problems) and outcome is not None
-    )
-
-
-def _student_failure(
-    own: dict[int, RankError], echoes: list[int], suffix: str
-) -> failures.RankFailure:
-    first_rank, first = min(own.items())
-    same = [r for r, e in own.items() if (e.type, e.message) == (first.type, first.message)]
-    who = f"rank {first_rank}" if len(same) == 1 else f"ranks {_ranks(same)}"
-    if first.type == "NotImplementedError":
-        name = first.raiser or "the function"
-        return failures.NotImplementedYet(f"not implemented yet: {name} raises NotImplementedError")
-    text = f"{who}: {first.type}: {first.message}".rstrip(": ") + first.where() + suffix
-    if limit := limit_reached(f"{first.type}: {first.message}"):
-        text += f"; the rank reached its sandbox's limit on {limit}"
-    others = [r for r in own if r not in same]
-    if others:
-        text += f"; rank {others[0]} also raised {own[others[0]].type}"
-    if echoes:
-        text += f"; then {'rank' if len(echoes) == 1 else 'ranks'} {_ranks(echoes)} waited in vain"
-    return failures.StudentError(text)
-
-
-def _ranks(ranks: Sequence[int]) -> str:
-    return ", ".join(map(str, ranks))
-
-
-def _first_dead(exits: dict[int, RankExit | None]) -> int:
-    """The rank that died on its own: not one stopped after it (SIGKILL, SIGTERM)."""
-    for rank, ended in exits.items():
-        if ended is not None and not ended.stopped_by_grader:
-            return rank
-    return next(iter(exits))
 
 
 def _first_words(job_dir: Path, broker: Broker, size: int) -> str:

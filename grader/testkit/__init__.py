@@ -12,8 +12,9 @@ A graded test runs in the grader's own process and drives the ranks::
 from grader import failures
 from grader.broker.ops import Gate
 from grader.broker.traffic import Event, Traffic
+from grader.judge.call import CallResult
 from grader.judge.verdict import Ring, RingCell, Work
-from grader.launch.world import CallResult, World
+from grader.launch.world import World
 from grader.testkit.compare import check_close, check_unchanged, on_every_rank, require
 from grader.testkit.data import generator, rank_tensor
 from grader.testkit.information import check_informed

@@ -14,7 +14,7 @@ bound of every graded function.
 from __future__ import annotations
 
 from grader import failures
-from grader.launch.world import CallResult
+from grader.judge.call import CallResult
 
 
 def check_informed(out: CallResult, rank: int, needed: int, what: str) -> None:

@@ -15,10 +15,9 @@ from __future__ import annotations
 
 import pytest
 
-from grader.judge.costs import judge_communication, judge_performance
-from grader.judge.reference_traces import reference_messages
 from grader.testkit import CallResult, TestRecord, World, check_close
 from grader.testkit.calls import COLLECTIVES, collective_call, output
+from grader.testkit.costs import judge_communication, judge_performance, reference_messages
 
 
 def checked_call(world: World, function: str, n: int) -> CallResult:

@@ -6,7 +6,7 @@ out) is drawn here from the secret seed and sent to every rank with the rank's o
 in the submission's ``ExpertParallelMoE``, runs one forward, one backward and
 ``finish_gradient_synchronization()``. The oracle is the same layer run here in one process,
 in float64, on all ranks' tokens in rank order, with the loss ``(1/p) sum_r <y_r, g_r>``
-(``grader/judge/moe_oracle.py``, which also builds the routing: token i of rank r prefers
+(``grader/testkit/moe.py``, which also builds the routing: token i of rank r prefers
 the (i + r)-th expert in play, so every rank's experts get rows from several ranks):
 
 - ``moe``: outputs, the tokens' gradients, the router's gradients and those of this rank's
@@ -33,17 +33,6 @@ import pytest
 import torch
 from torch import Tensor
 
-from grader.judge.moe_oracle import (
-    CAPACITY_FACTOR,
-    D_FF,
-    Case,
-    D,
-    Oracle,
-    draw_layer,
-    draw_tokens,
-    oracle,
-    rank_major_taken_as_expert_major,
-)
 from grader.scenarios.expert_parallel import build_moe
 from grader.testkit import (
     CallResult,
@@ -54,6 +43,17 @@ from grader.testkit import (
     on_every_rank,
     rank_tensor,
     require,
+)
+from grader.testkit.moe import (
+    CAPACITY_FACTOR,
+    D_FF,
+    Case,
+    D,
+    Oracle,
+    draw_layer,
+    draw_tokens,
+    oracle,
+    rank_major_taken_as_expert_major,
 )
 
 TERMS = 4 * (D + D_FF)  # rounding terms behind an output or gradient element

@@ -160,9 +160,9 @@ def test_every_secret_gives_the_prescribed_routing() -> None:
     (the rows were once found by chance, and about one grading in seven found none)."""
     import hashlib
 
-    from grader.judge.moe_oracle import MARGIN, Case, draw_layer, draw_tokens
     from grader.scenarios.expert_parallel import build_moe
     from grader.testkit import data
+    from grader.testkit.moe import MARGIN, Case, draw_layer, draw_tokens
 
     for secret in range(40):
         data.configure(hashlib.sha256(str(secret).encode()).digest(), "routing")

@@ -19,10 +19,10 @@ from grader.broker.traffic import Wait
 from grader.commands.options import Nodes, NodesError
 from grader.judge.audit import audit
 from grader.judge.communication import figures, min_rounds
-from grader.judge.costs import judge_performance
 from grader.judge.projection import machines, project
 from grader.judge.replay import ReplayError
 from grader.launch.nodes import Head, connect
+from grader.testkit.costs import judge_performance
 from grader.wire import Frame, WireError
 
 

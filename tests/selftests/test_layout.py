@@ -90,6 +90,19 @@ def test_the_circle_finder_finds_a_circle() -> None:
     assert circles(graph) == [["a", "b", "c"]]
 
 
+def test_graded_tests_import_only_the_testkit_and_the_scenarios() -> None:
+    """What the README promises a course author: the graded tests stand on the public
+    testkit (and the rank-side model code their oracles run), not on the grader's rooms."""
+    modules = {module_name(path) for path in (REPO / "grader").rglob("*.py")}
+    allowed = ("grader.testkit", "grader.scenarios")
+    reached = {
+        path.name: sorted(m for m in imported(path, modules) if not m.startswith(allowed))
+        for path in (REPO / "tests" / "graded").glob("*.py")
+    }
+    assert {name: found for name, found in reached.items() if found} == {}
+    assert reached  # the graded tests were read
+
+
 def test_no_module_over_400_lines() -> None:
     lengths = {
         str(path.relative_to(REPO)): len(path.read_text().splitlines())

@@ -12,6 +12,9 @@ for its send), against the reference's pattern of the same call. The ratio is
 the geometric mean over the machines; full points within ``full_at`` times the
 reference's time, none beyond ``zero_at``, linear between. It models the
 messages only: local arithmetic, which the broker cannot see, is not timed.
+
+The reference's pattern of a call comes from :func:`reference_messages`, kept as data
+(:mod:`grader.judge.reference_traces` rebuilds it).
 """
 
 from __future__ import annotations
@@ -24,8 +27,11 @@ from typing import Any
 
 from grader.judge import communication
 from grader.judge.projection import machines, project
+from grader.judge.reference_traces import reference_messages
 from grader.judge.replay import ReplayError
 from grader.report.units import duration, size
+
+__all__ = ["Judgement", "judge_communication", "judge_performance", "reference_messages"]
 
 Messages = list[list[dict[str, Any]]]  # every rank's point-to-point events, in program order
 
