@@ -22,6 +22,7 @@ from typing import Any
 
 import yaml
 
+from grader.course.options import OptionError, TestOptions
 from grader.sandbox import DEFAULT_MEMORY, DEFAULT_SCRATCH, MiB
 
 CONFIG_ENV = "GRADER_CONFIG"
@@ -134,7 +135,7 @@ class TestSettings:
     timeout: float
     visibility: str
     forbid_collectives: bool
-    options: dict[str, Any] = field(default_factory=dict)
+    options: TestOptions = field(default_factory=TestOptions)
     # Every world size must divide this (tests that shard fixed dimensions across ranks).
     world_sizes_divide: int | None = None
 
@@ -154,8 +155,7 @@ class PartConfig:
     def settings_for(self, test_name: str) -> TestSettings:
         """The settings of one test: the part's defaults with the test's own keys on top."""
         raw = dict(self.overrides.get(test_name, {}))
-        options = {**self.defaults.options, **raw.pop("options", {})}
-        return _settings(raw, f"{self.name}.tests.{test_name}", base=self.defaults, options=options)
+        return _settings(raw, f"{self.name}.tests.{test_name}", base=self.defaults)
 
 
 #: The ``limits:`` block: what each rank may use, in MiB (defaults: grader.sandbox's).
@@ -287,8 +287,8 @@ def _part(name: str, body: Any, base_dir: Path, path: Path) -> PartConfig:
     for file in files:
         if not file.is_file():
             raise ConfigError(f"{path}: part '{name}': test file {file} does not exist")
-    settings = {k: v for k, v in body.items() if k in _SETTING_KEYS - {"options"}}
-    defaults = _settings(settings, name, base=None, options=dict(body.get("options") or {}))
+    settings = {k: v for k, v in body.items() if k in _SETTING_KEYS}
+    defaults = _settings(settings, name, base=None)
     overrides = body.get("tests") or {}
     if not isinstance(overrides, dict) or not all(isinstance(v, dict) for v in overrides.values()):
         raise ConfigError(f"{path}: part '{name}': 'tests' must map test names to mappings")
@@ -296,13 +296,11 @@ def _part(name: str, body: Any, base_dir: Path, path: Path) -> PartConfig:
         bad = set(keys) - _SETTING_KEYS
         if bad:
             raise ConfigError(f"{path}: {name}.tests.{test}: unknown keys {', '.join(sorted(bad))}")
-        _settings(dict(keys), f"{name}.tests.{test}", base=defaults, options={})
+        _settings(dict(keys), f"{name}.tests.{test}", base=defaults)
     return PartConfig(name=name, files=files, defaults=defaults, overrides=overrides)
 
 
-def _settings(
-    raw: dict[str, Any], where: str, base: TestSettings | None, options: dict[str, Any]
-) -> TestSettings:
+def _settings(raw: dict[str, Any], where: str, base: TestSettings | None) -> TestSettings:
     def get(key: str, default: Any) -> Any:
         if key in raw:
             return raw[key]
@@ -325,7 +323,7 @@ def _settings(
         timeout=_number(get("timeout", 60), where, "timeout", minimum=0.1),
         visibility=str(get("visibility", VISIBLE)),
         forbid_collectives=bool(get("forbid_collectives", False)),
-        options=options,
+        options=_options(raw.get("options"), where, base),
         world_sizes_divide=_divisor(get("world_sizes_divide", 0), where),
     )
     if settings.visibility not in VISIBILITIES:
@@ -347,6 +345,14 @@ def _divisor(value: Any, where: str) -> int | None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ConfigError(f"{where}: world_sizes_divide must be a positive integer, got {value!r}")
     return value
+
+
+def _options(raw: Any, where: str, base: TestSettings | None) -> TestOptions:
+    """The test's options: the part's, with the test's own keys on top."""
+    try:
+        return TestOptions.read(raw, base.options if base is not None else None)
+    except OptionError as err:
+        raise ConfigError(f"{where}: {err}") from None
 
 
 def _number(value: Any, where: str, key: str, minimum: float) -> float:

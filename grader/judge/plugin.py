@@ -13,12 +13,12 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
-from typing import Any
 
 import pytest
 
 from grader import failures, protocol
 from grader.course.catalog import GradedTest
+from grader.course.options import TestOptions
 from grader.judge.verdict import Schedule, Verdict
 from grader.launch.job import JobSettings
 from grader.launch.world import CallLimits, RankPool, World
@@ -68,10 +68,10 @@ class GradingPlugin:
         return World(world_size, self.pool, limits)
 
     @pytest.fixture
-    def options(self) -> dict[str, Any]:
-        """The test's ``options`` from grading.yaml (sizes, thresholds)."""
+    def options(self) -> TestOptions:
+        """The test's ``options`` from grading.yaml (sizes, thresholds), checked at load."""
         assert self._running is not None
-        return dict(self._running.test.settings.options)
+        return self._running.test.settings.options
 
     @pytest.fixture
     def record(self) -> TestRecord:

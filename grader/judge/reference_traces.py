@@ -67,7 +67,7 @@ def graded_sizes() -> dict[int, set[int]]:
     for test, option in COST_TESTS.items():
         settings = part.settings_for(test)
         for world_size in settings.world_sizes:
-            sizes.setdefault(world_size, set()).add(int(settings.options[option]))
+            sizes.setdefault(world_size, set()).add(int(settings.options.need(option)))
     return sizes
 
 

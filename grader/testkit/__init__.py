@@ -12,6 +12,7 @@ A graded test runs in the grader's own process and drives the ranks::
 from grader import failures
 from grader.broker.ops import Gate
 from grader.broker.traffic import Event, Traffic
+from grader.course.options import TestOptions
 from grader.judge.call import CallResult
 from grader.judge.verdict import Ring, RingCell, Work
 from grader.launch.world import World
@@ -27,6 +28,7 @@ __all__ = [
     "Gate",
     "Ring",
     "RingCell",
+    "TestOptions",
     "TestRecord",
     "Traffic",
     "Work",

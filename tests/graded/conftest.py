@@ -7,7 +7,8 @@ A graded test is an ordinary pytest function marked with what it grades::
 
 Its fixtures come from the grader (grader/judge/plugin.py): ``world`` (the
 ranks of one world size; the test runs once per world size in grading.yaml),
-``world_size``, ``options`` (the test's options from grading.yaml) and
+``world_size``, ``options`` (the test's ``TestOptions``: grading.yaml's ``options:``, typed and
+checked when it loads: grader/course/options.py) and
 ``record`` (figures, partial credit, schedules). Its points, world sizes and
 time limits come from ``grading.yaml``. It fails with an ``AssertionError``
 whose message is the first thing a student should fix.

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import pytest
 
-from grader.testkit import CallResult, TestRecord, World, check_close
+from grader.testkit import CallResult, TestOptions, TestRecord, World, check_close
 from grader.testkit.calls import COLLECTIVES, collective_call, output
 from grader.testkit.costs import judge_communication, judge_performance, reference_messages
 
@@ -32,15 +32,12 @@ def checked_call(world: World, function: str, n: int) -> CallResult:
     return out
 
 
-def allowed_ratio(options: dict, function: str) -> float:
-    allowed = options.get("max_bytes_ratio", 1.0)
-    return float(allowed.get(function, 1.0) if isinstance(allowed, dict) else allowed)
-
-
 @pytest.mark.parametrize("function", COLLECTIVES)
 @pytest.mark.graded(target="collectives.{function}", kind="communication")
-def test_communication(function: str, world: World, options: dict, record: TestRecord) -> None:
-    n = int(options["communication_elements"])
+def test_communication(
+    function: str, world: World, options: TestOptions, record: TestRecord
+) -> None:
+    n = options.need("communication_elements")
     out = checked_call(world, function, n)
     judged = judge_communication(
         function,
@@ -48,7 +45,7 @@ def test_communication(function: str, world: World, options: dict, record: TestR
         n * 4,
         out.traffic.messages(),
         reference_messages(function, world.size, n),
-        allowed_ratio(options, function),
+        options.bytes_ratio(function),
     )
     record.details.update(judged.details)
     record.credit(judged.fraction, judged.message)
@@ -56,8 +53,8 @@ def test_communication(function: str, world: World, options: dict, record: TestR
 
 @pytest.mark.parametrize("function", COLLECTIVES)
 @pytest.mark.graded(target="collectives.{function}", kind="performance")
-def test_performance(function: str, world: World, options: dict, record: TestRecord) -> None:
-    n = int(options["performance_elements"])
+def test_performance(function: str, world: World, options: TestOptions, record: TestRecord) -> None:
+    n = options.need("performance_elements")
     out = checked_call(world, function, n)
     judged = judge_performance(
         function,
@@ -65,8 +62,8 @@ def test_performance(function: str, world: World, options: dict, record: TestRec
         n * 4,
         out.traffic.messages(),
         reference_messages(function, world.size, n),
-        float(options.get("full_points_within", 1.5)),
-        float(options.get("zero_points_beyond", 3.0)),
+        options.full_points_within,
+        options.zero_points_beyond,
     )
     record.details.update(judged.details)
     record.credit(judged.fraction, judged.message)

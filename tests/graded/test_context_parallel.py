@@ -34,6 +34,7 @@ from torch import Tensor
 
 from grader.testkit import (
     CallResult,
+    TestOptions,
     TestRecord,
     World,
     check_close,
@@ -245,13 +246,15 @@ def test_causality(world: World, function: str) -> None:
 
 
 @pytest.mark.graded(target="context_parallel.ring_attention", kind="communication")
-def test_ring_attention_communication(world: World, record: TestRecord, options: dict) -> None:
+def test_ring_attention_communication(
+    world: World, record: TestRecord, options: TestOptions
+) -> None:
     case = Case(torch.float32, True)
     result = run(world, "ring_attention", case, "ring messages")
     traffic, p = result.out.traffic, world.size
     record.ring = ring_steps(traffic, result.full, result.n, case.causal)
     check_results(result, "ring_attention", describe("ring_attention", "ring messages", p))
-    ratio = float(options["backward_bytes_ratio"])
+    ratio = options.need("backward_bytes_ratio")
     problems, figures = ring_messages(traffic, result.full, result.n, ratio)
     record.details.update(figures)
 

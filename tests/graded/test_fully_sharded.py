@@ -42,7 +42,8 @@ from torch import Tensor, nn
 
 from grader.scenarios import fully_sharded as scenario
 from grader.scenarios.fully_sharded import DTYPES, SHARDED, Net, build, loss_of, optimizer
-from grader.testkit import CallResult, Event, TestRecord, World, generator, on_every_rank, require
+from grader.testkit import CallResult, Event, TestOptions, TestRecord, World, generator
+from grader.testkit.compare import on_every_rank, require
 
 ROWS, SEQ, STEPS = 12, 5, 3  # ROWS: the batch, split evenly over 1, 2, 3 or 4 ranks
 PADDING_HINT = (
@@ -165,10 +166,10 @@ def within(got: Tensor, want: Tensor, tol: float) -> tuple[bool, float]:
 
 @pytest.mark.graded(target="fully_sharded.FullyShardedDataParallel", kind="correctness")
 @pytest.mark.parametrize("case", CASES)
-def test_training(world: World, options: dict, record: TestRecord, case: str) -> None:
+def test_training(world: World, options: TestOptions, record: TestRecord, case: str) -> None:
     p, (opt, dtype) = world.size, case.split("-")
     out = train_call(world, opt, dtype, case)
-    tol = float(options["tolerance"][dtype])
+    tol = options.tolerance_for(dtype)
     want = expected(opt, dtype)["full"]
     what = f"{STEPS} steps of {opt} with compute_dtype={dtype} on {p} ranks"
 
@@ -188,9 +189,7 @@ def test_training(world: World, options: dict, record: TestRecord, case: str) ->
             ok, rel = within(got, value, tol)
             worst = record.details.setdefault("relative_error", {})
             worst[r] = max(worst.get(r, 0.0), rel)
-            hint = ""
-            if name in SHARDED_PARAMS and p > 1 and not ok:
-                hint = PADDING_HINT
+            hint = PADDING_HINT if name in SHARDED_PARAMS and p > 1 and not ok else ""
             require(
                 ok,
                 f"{what}: {name} differs from one-process training on the whole batch by "
@@ -202,10 +201,10 @@ def test_training(world: World, options: dict, record: TestRecord, case: str) ->
 
 @pytest.mark.graded(target="fully_sharded.FullyShardedDataParallel", kind="correctness")
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
-def test_gradient_shards(world: World, options: dict, dtype: str) -> None:
+def test_gradient_shards(world: World, options: TestOptions, dtype: str) -> None:
     p = world.size
     out = train_call(world, "sgd", dtype, f"sgd-{dtype}")
-    tol = float(options["tolerance"][dtype])
+    tol = options.tolerance_for(dtype)
     grads = expected("sgd", dtype)["grads"]
     what = f"compute_dtype={dtype} on {p} ranks"
 
@@ -387,7 +386,7 @@ def test_memory_at_rest(world: World, record: TestRecord, dtype: str) -> None:
 
 @pytest.mark.graded(target="fully_sharded.FullyShardedDataParallel", kind="communication")
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
-def test_communication(world: World, options: dict, record: TestRecord, dtype: str) -> None:
+def test_communication(world: World, options: TestOptions, record: TestRecord, dtype: str) -> None:
     p = world.size
     out = train_call(world, "sgd", dtype, f"sgd-{dtype}")
     c = ITEMSIZE[dtype]
@@ -398,7 +397,7 @@ def test_communication(world: World, options: dict, record: TestRecord, dtype: s
         + sum(shard_bytes[n] for n in linear) * c  # backward gathers
         + sum(shard_bytes.values()) * 4  # reduce-scatters
     ) + 2 * (p - 1) / p * sum(NUMEL[n] for n in REPLICATED) * 4
-    ratio = float(options["max_bytes_ratio"])
+    ratio = options.bytes_ratio("FullyShardedDataParallel")
 
     def moved(e: Event) -> float:
         if e.op == "all_gather":

@@ -113,6 +113,38 @@ def test_a_bad_limits_block_is_one_clear_line(course: Path, block: str, message:
         load_config(course)
 
 
+def test_a_tests_options_are_the_parts_with_its_own_keys_on_top():
+    collectives = load_config(GRADED / "grading.yaml").part("collectives")
+    communication = collectives.settings_for("communication").options
+    assert communication.need("communication_elements") == 49152
+    assert communication.bytes_ratio("scatter") == 1.25  # a ratio per function
+    performance = collectives.settings_for("performance").options
+    assert (performance.full_points_within, performance.zero_points_beyond) == (1.5, 3.0)
+    with pytest.raises(ValueError, match="no 'communication_elements' in its options"):
+        performance.need("communication_elements")
+
+
+@pytest.mark.parametrize(
+    ("old", "new", "message"),
+    [
+        (  # a misspelt key, in a test's own options: found when the file loads
+            "performance_elements: 1048576",
+            "performance_elemnts: 1048576",
+            r"collectives\.tests\.performance: unknown option performance_elemnts \(known: ",
+        ),
+        ("full_points_within: 1.5", "full_points_within: 0.5", "must be a number >= 1"),
+        ("zero_points_beyond: 3.0", "zero_points_beyond: 1.2", "must be above full_points"),
+        ("communication_elements: 49152", "communication_elements: 4.5", "positive integer"),
+        ("        float16: 2.0e-2", "        float8: 2.0e-2", "unknown dtype 'float8'"),
+    ],
+)
+def test_a_bad_option_is_one_clear_line(course: Path, old: str, new: str, message: str):
+    edit(course, old, new)
+    with pytest.raises(ConfigError, match=message) as err:
+        load_config(course)
+    assert "\n" not in str(err.value)
+
+
 def test_stdout_cannot_be_shown_while_a_test_is_hidden(course: Path):
     edit(course, "stdout_visibility: hidden", "stdout_visibility: visible")
     load_config(course)  # every test visible: fine

@@ -66,8 +66,9 @@ def option(part: str, test: str, name: str, scale: float = 1) -> Callable[[Gradi
     """Option ``name`` of ``test`` (an entry of a mapping: ``name/key``), times ``scale``."""
 
     def expected(config: GradingConfig) -> object:
-        value = settings(part, test)(config).options
-        for key in name.split("/"):
+        first, *keys = name.split("/")
+        value = getattr(settings(part, test)(config).options, first)
+        for key in keys:
             value = value[key]
         return float(value) * scale
 
