@@ -8,11 +8,52 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from grader import protocol
 
-Timeline = list[list[str]]  # one row of cells ("F3", "B1") per rank
+
+class Pass(enum.Enum):
+    """Which way a microbatch goes through a pipeline stage."""
+
+    FORWARD = "F"
+    BACKWARD = "B"
+
+
+class Cell(NamedTuple):
+    """One step of a stage's timeline: a pass of one microbatch, written ``F3`` or ``B1``
+    (the scenario's recorder writes it so on the rank; :meth:`parse` reads it back)."""
+
+    kind: Pass
+    microbatch: int
+
+    def __str__(self) -> str:
+        return f"{self.kind.value}{self.microbatch}"
+
+    @classmethod
+    def parse(cls, text: object) -> Cell | None:
+        """The cell ``text`` writes, or None where it is not one (a rank's word: anything)."""
+        if not isinstance(text, str) or not 2 <= len(text) <= 7:
+            return None
+        kind, number = text[0], text[1:]
+        if kind not in "FB" or not (number.isascii() and number.isdigit()):
+            return None
+        return cls(Pass(kind), int(number))
+
+    @property
+    def forward(self) -> bool:
+        return self.kind is Pass.FORWARD
+
+
+def forward(microbatch: int) -> Cell:
+    return Cell(Pass.FORWARD, microbatch)
+
+
+def backward(microbatch: int) -> Cell:
+    return Cell(Pass.BACKWARD, microbatch)
+
+
+Timeline = list[list[Cell]]  # one row of cells per rank
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 from rich.table import Table
 from rich.text import Text
 
-from grader.judge.verdict import Timeline, Verdict
+from grader.judge.verdict import Cell, Timeline, Verdict
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -34,10 +34,10 @@ def timelines_of(verdict: Verdict) -> tuple[Timeline, Timeline] | None:
     return verdict.schedule.actual, verdict.schedule.expected
 
 
-def _style(cell: str, right: bool) -> str:
+def _style(cell: Cell, right: bool) -> str:
     if not right:
         return "bold white on red"
-    return "white on blue" if cell.startswith("F") else "black on green"
+    return "white on blue" if cell.forward else "black on green"
 
 
 def terminal_table(actual: Timeline, expected: Timeline, title: str) -> Table:
@@ -114,10 +114,12 @@ def _draw_order(axis: Axes, rows: Timeline, expected: Timeline, judged: bool) ->
     for rank, row in enumerate(rows):
         for step, cell in enumerate(row):
             wrong = judged and (step >= len(expected[rank]) or cell != expected[rank][step])
-            kind = "forward" if cell.startswith("F") else "backward"
+            kind = "forward" if cell.forward else "backward"
             color = WRONG_COLOR if wrong else COLORS[kind]
             axis.add_patch(plt.Rectangle((step, rank - 0.4), 0.95, 0.8, color=color))
-            axis.text(step + 0.47, rank, cell, ha="center", va="center", color="white", fontsize=8)
+            axis.text(
+                step + 0.47, rank, str(cell), ha="center", va="center", color="white", fontsize=8
+            )
     steps = max(len(row) for row in rows + expected)
     axis.set_xlim(0, steps)
     axis.set_xlabel("step (the order of work on each rank)")

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from grader.judge.verdict import Cell, Pass
 from grader.scenarios import mark
 
 WIDTH = 6  # features of every activation
@@ -33,19 +34,21 @@ def make_stage(weight: Tensor, bias: Tensor) -> nn.Sequential:
 
 
 class Recorder(nn.Module):
-    """Records ``F{i}`` when the ``i``-th forward runs, ``B{i}`` when its output's gradient is."""
+    """Records ``F{i}`` when the ``i``-th forward runs, ``B{i}`` when its output's gradient is
+    (:class:`grader.judge.verdict.Cell`, written as text: what travels back is data)."""
 
     def __init__(self, inner: nn.Module) -> None:
         super().__init__()
         self.inner = inner
         self.timeline: list[str] = []
+        self.forwards = 0
 
     def forward(self, x: Tensor) -> Tensor:
-        i = sum(cell.startswith("F") for cell in self.timeline)
-        self.timeline.append(f"F{i}")
+        i, self.forwards = self.forwards, self.forwards + 1
+        self.timeline.append(str(Cell(Pass.FORWARD, i)))
         output = self.inner(x)
         if output.requires_grad:
-            output.register_hook(lambda grad: self.timeline.append(f"B{i}"))
+            output.register_hook(lambda grad: self.timeline.append(str(Cell(Pass.BACKWARD, i))))
         return output
 
 

@@ -14,7 +14,7 @@ from grader.broker.ops import Gate
 from grader.broker.traffic import Event, Traffic
 from grader.course.options import TestOptions
 from grader.judge.call import CallResult
-from grader.judge.verdict import Ring, RingCell, Work
+from grader.judge.verdict import Cell, Ring, RingCell, Work, backward, forward
 from grader.launch.world import World
 from grader.testkit.compare import check_close, check_unchanged, on_every_rank, require
 from grader.testkit.data import generator, rank_tensor
@@ -24,6 +24,7 @@ from grader.testkit.timing import stage_timing
 
 __all__ = [
     "CallResult",
+    "Cell",
     "Event",
     "Gate",
     "Ring",
@@ -33,10 +34,12 @@ __all__ = [
     "Traffic",
     "Work",
     "World",
+    "backward",
     "check_close",
     "check_informed",
     "check_unchanged",
     "failures",
+    "forward",
     "generator",
     "on_every_rank",
     "rank_tensor",

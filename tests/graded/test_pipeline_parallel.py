@@ -18,14 +18,13 @@ schedule (``grader/scenarios/pipeline_parallel.py``), with fewer microbatches th
   the backwards in forward order (microbatch 0 first); 1F1B runs ``min(p - r - 1, m)``
   warm-up forwards (also run with ``m = 1`` from 3 stages on), then one forward and one
   backward in turn, then the remaining backwards. The broker's own record of each rank's
-  messages confirms what it can (see :func:`message_problem`). Every rank's order and the
+  messages confirms what it can (:mod:`grader.testkit.schedule`). Every rank's order and the
   expected ones go to ``record.schedule``, which the report draws.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
 
 import pytest
 import torch
@@ -36,7 +35,6 @@ from grader.scenarios.pipeline_parallel import ROWS, WIDTH, make_stage
 from grader.testkit import (
     CallResult,
     TestRecord,
-    Traffic,
     World,
     check_unchanged,
     failures,
@@ -45,6 +43,7 @@ from grader.testkit import (
     require,
     stage_timing,
 )
+from grader.testkit.schedule import PipelineSchedule, in_flight_bound, message_problem, recorded
 
 REGIMES = ("m<p", "m=p", "m>p")
 Shares = dict[str, list[Tensor]]  # each microbatch's share of a parameter's gradient, by name
@@ -247,140 +246,6 @@ def test_one_f_one_b_gradients(world: World, regime: str) -> None:
     check_step(world, "one_f_one_b_step", regime)
 
 
-def gpipe_order(p: int, rank: int, m: int) -> list[str]:
-    return [f"F{i}" for i in range(m)] + [f"B{i}" for i in range(m)]
-
-
-def one_f_one_b_order(p: int, rank: int, m: int) -> list[str]:
-    warmup = min(p - rank - 1, m)
-    order = [f"F{i}" for i in range(warmup)]
-    for i in range(m - warmup):
-        order += [f"F{warmup + i}", f"B{i}"]
-    return order + [f"B{i}" for i in range(m - warmup, m)]
-
-
-def one_f_one_b_rule(p: int, rank: int, m: int) -> str:
-    warmup, limit = min(p - rank - 1, m), p - rank
-    return (
-        f"1F1B's warm-up on stage {rank} of {p} is {warmup} forward{'s' if warmup != 1 else ''}"
-        f", then one forward and one backward in turn, so at most {limit} microbatch"
-        f"{'es are' if limit > 1 else ' is'} in flight"
-    )
-
-
-def count_problem(timeline: list[str], rank: int, m: int) -> str | None:
-    forwards = sum(cell.startswith("F") for cell in timeline)
-    if forwards != m:
-        return f"stage {rank} ran {forwards} forwards for {m} microbatches: one per microbatch"
-    for i in range(m):
-        runs = timeline.count(f"B{i}")
-        if runs != 1:
-            done = f"backpropagated microbatch {i} (B{i}) {runs} times"
-            done = f"never backpropagated microbatch {i} (B{i})" if runs == 0 else done
-            return f"stage {rank} {done}: each microbatch takes one backward"
-    return None
-
-
-def gpipe_problem(timeline: list[str], p: int, rank: int, m: int) -> str | None:
-    problem = count_problem(timeline, rank, m)
-    if problem:
-        return problem
-    first = next(j for j, cell in enumerate(timeline) if cell.startswith("B"))
-    late = [cell for cell in timeline[first:] if cell.startswith("F")]
-    if late:
-        return (
-            f"stage {rank} ran {late[0]} after {timeline[first]}: "
-            f"GPipe runs every forward before any backward"
-        )
-    backwards = timeline[first:]
-    for i, cell in enumerate(backwards):
-        if cell != f"B{i}":
-            order = "in reverse order" if backwards == [f"B{j}" for j in reversed(range(m))] else ""
-            return (
-                f"stage {rank} ran {cell} before B{i}{' (' + order + ')' if order else ''}: "
-                "GPipe backpropagates in forward order, microbatch 0 first"
-            )
-    return None
-
-
-def one_f_one_b_problem(timeline: list[str], p: int, rank: int, m: int) -> str | None:
-    problem = count_problem(timeline, rank, m)
-    expected = one_f_one_b_order(p, rank, m)
-    if problem or timeline == expected:
-        return problem
-    warmup, limit, rule = min(p - rank - 1, m), p - rank, one_f_one_b_rule(p, rank, m)
-    ahead = next(j for j, cell in enumerate(timeline) if cell.startswith("B"))
-    if ahead != min(warmup + 1, m):
-        ran = f"{'only ' if ahead < warmup + 1 else ''}{ahead} microbatch{'es' * (ahead > 1)}"
-        return f"stage {rank} ran {ran} forward before its first backward; {rule}"
-    in_flight = 0
-    for cell in timeline:
-        in_flight += 1 if cell.startswith("F") else -1
-        if in_flight > limit:
-            return f"stage {rank} had {in_flight} microbatches in flight after {cell}; {rule}"
-    backwards = [cell for cell in timeline if cell.startswith("B")]
-    for i, cell in enumerate(backwards):
-        if cell != f"B{i}":
-            return f"stage {rank} ran {cell} before B{i}: 1F1B backpropagates in forward order"
-    j = next(j for j, (a, b) in enumerate(zip(timeline, expected, strict=True)) if a != b)
-    return (
-        f"stage {rank} ran {timeline[j]} at step {j} where 1F1B runs {expected[j]}: {rule} "
-        f"(expected {' '.join(expected)}; ran {' '.join(timeline)})"
-    )
-
-
-def in_flight_bound(traffic: Traffic, rank: int) -> int:
-    """The fewest microbatches that can have been in flight at once on ``rank`` (trusted).
-
-    From the broker's posting order alone: the i-th activation sent to the next stage
-    proves i forwards done, and a backward can only have finished once its gradient's
-    receive from the next stage was posted. The last stage sends no activation: 0.
-    """
-    sent = received = bound = 0
-    for e in traffic.per_rank[rank]:
-        if e.peer == rank + 1:
-            sent, received = sent + (e.op == "send"), received + (e.op == "recv")
-            bound = max(bound, sent - received)
-    return bound
-
-
-def message_problem(traffic: Traffic, function: str, p: int, rank: int, m: int) -> str | None:
-    """What the broker's own record of ``rank``'s messages proves wrong with its schedule.
-
-    Trusted, but partial: message counts on every stage; for 1F1B, the in-flight bound
-    (:func:`in_flight_bound`) on every stage but the last; for GPipe, on every stage but the
-    first, a gradient sent back (a backward done) before the last activation's receive was
-    posted (a forward still to come).
-    """
-    record = " (the broker's record of its messages)"
-    events = traffic.per_rank[rank]
-    for peer, what in ((rank + 1, "activations"), (rank - 1, "gradients")):
-        if not 0 <= peer < p:
-            continue
-        sent = sum(e.op == "send" and e.peer == peer for e in events)
-        if sent != m:
-            return f"stage {rank} sent {sent} {what} to stage {peer} for {m} microbatches{record}"
-    if function == "one_f_one_b_step" and rank < p - 1:
-        bound = in_flight_bound(traffic, rank)
-        if bound > p - rank:
-            return (
-                f"stage {rank} sent {bound} activations to stage {rank + 1} beyond the "
-                f"gradients it had asked back, so {bound} microbatches were in flight{record}; "
-                + one_f_one_b_rule(p, rank, m)
-            )
-    if function == "gpipe_step" and rank > 0:
-        received = 0
-        for e in events:
-            received += e.op == "recv" and e.peer == rank - 1
-            if e.op == "send" and e.peer == rank - 1 and received < m:
-                return (
-                    f"stage {rank} sent a gradient back to stage {rank - 1} before receiving "
-                    f"microbatch {received}'s activation{record}: GPipe runs every forward "
-                    "before any backward"
-                )
-    return None
-
-
 def schedule_microbatches(p: int) -> list[int]:
     """The regimes' microbatch counts, then m = 1 from 3 stages on: with m = p - 1 at most,
     a 1F1B warm-up of ``p - r - 1`` forwards that lacks its ``min(..., m)`` never runs short."""
@@ -388,31 +253,31 @@ def schedule_microbatches(p: int) -> list[int]:
     return [*counts, 1] if p > 2 else counts
 
 
-def check_schedule(
-    world: World, record: TestRecord, function: str, order: Callable, problem_of: Callable
-) -> None:
+def check_schedule(world: World, record: TestRecord, schedule: PipelineSchedule) -> None:
     """Run the schedule for every regime; show (and judge) the first one any rank got wrong.
 
     The timelines are what the ranks observed (the wrapper runs in the rank's process);
     the message checks are the trusted broker's and catch a timeline that hides the order
     the messages show.
     """
-    p, runs = world.size, []
+    p, runs, function = world.size, [], schedule.value
     for m in schedule_microbatches(p):
         out, _, _ = run_step(world, function, m)
-        timelines = [seen["timeline"] for seen in out.returned]
+        read = [recorded(seen["timeline"], r) for r, seen in enumerate(out.returned)]
+        timelines = [timeline for timeline, _ in read]
         problems = [
-            problem_of(timelines[r], p, r, m) or message_problem(out.traffic, function, p, r, m)
-            for r in range(p)
-        ]
+            unreadable or schedule.problem(timelines[r], p, r, m)
+            or message_problem(out.traffic, schedule, p, r, m)
+            for r, (_, unreadable) in enumerate(read)
+        ]  # fmt: skip
         bounds = [in_flight_bound(out.traffic, r) for r in range(p - 1)]
         runs.append((m, timelines, problems, bounds, out.traffic))
     m, timelines, problems, bounds, traffic = next((run for run in runs if any(run[2])), runs[0])
-    expected = [order(p, r, m) for r in range(p)]
+    expected = [schedule.order(p, r, m) for r in range(p)]
     record.schedule = (timelines, expected)
     record.details.update(
-        timeline=timelines,
-        expected_timeline=expected,
+        timeline=[[str(cell) for cell in row] for row in timelines],
+        expected_timeline=[[str(cell) for cell in row] for row in expected],
         num_microbatches=m,
         in_flight_lower_bound_from_messages=bounds,  # stages 0..p-2, trusted
         stage_timing=stage_timing(traffic),  # the broker's clock: what the picture draws
@@ -428,9 +293,9 @@ def check_schedule(
 
 @pytest.mark.graded(target="pipeline_parallel.gpipe_step", kind="schedule")
 def test_gpipe_schedule(world: World, record: TestRecord) -> None:
-    check_schedule(world, record, "gpipe_step", gpipe_order, gpipe_problem)
+    check_schedule(world, record, PipelineSchedule.GPIPE)
 
 
 @pytest.mark.graded(target="pipeline_parallel.one_f_one_b_step", kind="schedule")
 def test_one_f_one_b_schedule(world: World, record: TestRecord) -> None:
-    check_schedule(world, record, "one_f_one_b_step", one_f_one_b_order, one_f_one_b_problem)
+    check_schedule(world, record, PipelineSchedule.ONE_F_ONE_B)

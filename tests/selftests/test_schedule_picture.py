@@ -14,7 +14,7 @@ import pytest
 from grader import protocol
 from grader.course.catalog import GradedTest
 from grader.course.config import TestSettings
-from grader.judge.verdict import Schedule, Verdict
+from grader.judge.verdict import Schedule, Verdict, backward, forward
 from grader.report.results import GradedResult
 from grader.report.timeline import draw_failed_schedules, png_path
 from grader.testkit import Event, Traffic, stage_timing
@@ -71,7 +71,7 @@ def result(passed: bool, details: dict) -> GradedResult:
         2,
         settings,
     )
-    order = [["F0", "F1", "B0", "B1"]] * 2
+    order = [[forward(0), forward(1), backward(0), backward(1)]] * 2
     outcome = protocol.PASSED if passed else protocol.FAILED
     verdict = Verdict(
         outcome, "" if passed else "wrong", details=details, schedule=Schedule(order, order)
