@@ -20,7 +20,9 @@ from grader.bench import p2p
 
 
 @dataclass(frozen=True)
-class Event:
+class LoggedMessage:
+    """A message the bench's rank logged: which way, with whom, how big, and when."""
+
     op: str  # "send" or "recv"
     peer: int
     nbytes: int
@@ -30,13 +32,13 @@ class Event:
 
 class CommLog(p2p.MessageLog):
     def __init__(self) -> None:
-        self.events: list[Event] = []
+        self.events: list[LoggedMessage] = []
 
     def on_send(self, peer: int, nbytes: int, tag: int) -> None:
-        self.events.append(Event("send", peer, nbytes, tag, time.perf_counter()))
+        self.events.append(LoggedMessage("send", peer, nbytes, tag, time.perf_counter()))
 
     def on_recv(self, peer: int, nbytes: int, tag: int) -> None:
-        self.events.append(Event("recv", peer, nbytes, tag, time.perf_counter()))
+        self.events.append(LoggedMessage("recv", peer, nbytes, tag, time.perf_counter()))
 
     def messages(self) -> list[dict]:
         """The messages, in program order, as JSON-ready records."""

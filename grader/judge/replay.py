@@ -22,7 +22,7 @@ from collections import defaultdict, deque
 from collections.abc import Callable
 from typing import Any
 
-Event = dict[str, Any]
+Message = dict[str, Any]  # one point-to-point event of a rank, as Traffic.messages() gives it
 
 
 class ReplayError(ValueError):
@@ -30,9 +30,9 @@ class ReplayError(ValueError):
 
 
 def replay(
-    per_rank: list[list[Event]],
-    on_send: Callable[[int, Event], float],
-    on_arrival: Callable[[int, Event, float], None],
+    per_rank: list[list[Message]],
+    on_send: Callable[[int, Message], float],
+    on_arrival: Callable[[int, Message, float], None],
 ) -> None:
     """Call ``on_send`` for every send (it returns when the message is there) and
     ``on_arrival`` for every awaited receive, with that value, in an order that respects both.
@@ -85,13 +85,13 @@ def replay(
             raise ReplayError(_stuck(rank, events, unmatched[0]))
 
 
-def _is_recv(events: list[Event], of: Any) -> bool:
+def _is_recv(events: list[Message], of: Any) -> bool:
     if not isinstance(of, int) or not 0 <= of < len(events):
         raise ReplayError(f"a wait for message {of!r}, which the log does not hold")
     return events[of]["op"] == "recv"
 
 
-def _stuck(rank: int, events: list[Event], of: int) -> str:
+def _stuck(rank: int, events: list[Message], of: int) -> str:
     peer = events[of]["peer"]
     return (
         f"the message pattern could not be replayed: rank {rank} waits for a message from "

@@ -2,8 +2,8 @@
 
 A student's rank is started as torchrun would: a parent (standing in for torchrun)
 starts the trusted wrapper, which calls ``Sandbox.exec``; inside, a probe script tries
-what a student might, and reports as JSON. Every process the probe starts carries a
-token in its argv, so that the test can find it in /proc and prove that none is left.
+what a student might, and reports as JSON (the harness: ``sandbox_probe.py``). No process
+the probe starts outlives its test.
 """
 
 from __future__ import annotations
@@ -11,268 +11,33 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import platform
-import random
 import shutil
 import signal
 import socket
-import subprocess
 import sys
 import tempfile
 import threading
-import time
 import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from runner import REPO
-
-from grader import sandbox
-from grader.sandbox import GUARANTEES, Level, Sandbox, SandboxError, identity
-
-PROBE = r"""
-import ctypes, fcntl, json, os, socket, sys, time
-mode, token, repo, port, sock = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5]
-
-def attempt(action):
-    try:
-        return action() or "ok"
-    except BaseException as exc:
-        return type(exc).__name__
-
-def write(path):
-    with open(path, "w") as f:
-        f.write("student")
-
-def tcp():
-    socket.create_connection(("127.0.0.1", port), timeout=3).close()
-
-def unix():
-    with socket.socket(socket.AF_UNIX) as s:
-        s.settimeout(5)
-        s.connect(sock)
-        s.sendall(b"ping")
-        return s.recv(64).decode()
-
-libc = ctypes.CDLL(None, use_errno=True)
-
-def syscall(number, *args):
-    if libc.syscall(number, *args) < 0:
-        raise OSError(ctypes.get_errno(), os.strerror(ctypes.get_errno()))
-
-def fill(path, megabytes):
-    with open(path, "wb") as f:
-        for _ in range(megabytes):
-            f.write(bytes(1 << 20))
-
-def open_many(count):
-    files = [open("/etc/passwd") for _ in range(count)]
-    for f in files:
-        f.close()
-
-KERNEL = {  # channels no namespace separates: the seccomp filter refuses each
-    "lockf": lambda: fcntl.lockf(os.open("/etc/passwd", os.O_RDONLY), fcntl.LOCK_SH),  # F_SETLK
-    "flock": lambda: fcntl.flock(os.open("/etc/passwd", os.O_RDONLY), fcntl.LOCK_SH),
-    "add_key": lambda: syscall(248, b"user", b"side-channel-probe", b"x", 1, -4),  # x86-64
-    "keyctl": lambda: syscall(250, 0, -4, 0),  # KEYCTL_GET_KEYRING_ID of the user keyring
-    "ptrace": lambda: syscall(101, 16, os.getppid(), 0, 0),  # PTRACE_ATTACH
-    "shmget": lambda: syscall(29, 0, 4096, 0o1600),  # IPC_PRIVATE | IPC_CREAT
-    "unshare": lambda: syscall(272, 0x10000000),  # CLONE_NEWUSER
-    "thread": lambda: __import__("threading").Thread(target=int).start(),  # clone3 falls back
-}
-
-if mode == "locks":
-    print(json.dumps({k: attempt(KERNEL[k]) for k in ("lockf", "flock")}), flush=True)
-elif mode == "kernel":
-    limits = {
-        "fill_scratch": attempt(lambda: fill("big.bin", int(sys.argv[6]) * 2)),
-        "open_files": attempt(lambda: open_many(int(sys.argv[7]) + 8)),
-    }
-    print(json.dumps({**{k: attempt(v) for k, v in KERNEL.items()}, **limits}), flush=True)
-elif mode.startswith("probe"):
-    print(json.dumps({
-        "secret": attempt(lambda: open(f"{repo}/reference/collectives.py").read()),
-        "readable": attempt(lambda: open(f"{repo}/grader/ok.py").read()),
-        "write_scratch": attempt(lambda: write("mine.txt")),
-        "write_repo": attempt(lambda: write(f"{repo}/grader/evil.py")),
-        "write_tmp": attempt(lambda: write(f"/tmp/{token}")),
-        "write_shm": attempt(lambda: write(f"/dev/shm/{token}")),
-        "tcp": attempt(tcp),
-        "unix": attempt(unix),
-        # Without a cap this would really fill 6 GiB (bytearray zeroes it): not at "none".
-        "memory": attempt(lambda: len(bytearray(6 << 30))) if mode == "probe" else "skipped",
-        "shadow": attempt(lambda: open("/etc/shadow").read() and None),
-        "uid": os.getuid(), "cwd": os.getcwd(), "home": os.environ.get("HOME"),
-        "caps": [l.split()[1] for l in open("/proc/self/status") if l.startswith("CapEff")][0],
-        "leaked": "GRADER_TEST_SECRET" in os.environ,
-    }), flush=True)
-elif mode == "daemon":
-    if os.fork() == 0:
-        os.setsid()
-        if os.fork() == 0:
-            with open("daemon.pid", "w") as f:
-                f.write(str(os.getpid()))
-            os.execv(sys.executable, [sys.executable, "-c", "import time; time.sleep(60)", token])
-        os._exit(0)
-    os.wait()
-    time.sleep(60)
-"""
-
-# The trusted wrapper: rebuilds the Sandbox from JSON and becomes the sandboxed command.
-WRAPPER = r"""
-import json, sys
-from pathlib import Path
-from grader.sandbox import Level, Sandbox
-spec = json.loads(sys.argv[1])
-argv = spec.pop("argv")
-for key in ("scratch", "hidden", "readable", "sockets"):
-    spec[key] = Path(spec[key]) if key == "scratch" else tuple(map(Path, spec[key]))
-Sandbox(**{**spec, "level": Level(spec["level"])}).exec(argv)
-"""
-# Stands in for torchrun: starts one wrapper and waits.
-PARENT = (
-    "import subprocess, sys;"
-    "sys.exit(subprocess.run([sys.executable, '-c', *sys.argv[1:]]).returncode)"
+from sandbox_probe import (
+    PROBE,
+    World,
+    free_uid,
+    kill_group,
+    needs_namespaces,
+    needs_uid,
+    pids_with,
+    python_for,
+    serve,
+    wait_until,
+    x86_64,
 )
 
-
-PREFIXES = tuple(sorted({Path(sys.prefix).resolve(), Path(sys.base_prefix).resolve()}))
-
-
-def _python_for(uid: int) -> str:
-    """An interpreter the uid can run: ours unless it lies in root's 0700 home."""
-    if identity.readable_by([Path(sys.executable)], uid, uid):
-        return sys.executable
-    if not identity.readable_by([Path("/usr/bin/python3")], uid, uid):
-        pytest.skip(f"no Python interpreter that uid {uid} can run")
-    return "/usr/bin/python3"
-
-
-def _pids_with(token: str) -> list[int]:
-    found = []
-    for entry in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            cmdline = Path(f"/proc/{entry}/cmdline").read_bytes()
-            zombie = " Z " in Path(f"/proc/{entry}/stat").read_text().split(")", 1)[1][:3]
-        except OSError:
-            continue
-        if token.encode() in cmdline and not zombie:
-            found.append(int(entry))
-    return found
-
-
-def _wait_until(predicate, timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.05)
-    return True
-
-
-def _free_uid() -> int:
-    """A uid no process uses: tests must not kill (or be killed with) anyone's nobody."""
-    while True:
-        uid = random.randrange(61000, 65000)
-        if not identity.pids_of(uid):
-            return uid
-
-
-@dataclass
-class World:
-    """A fake repository to hide, a broker socket and a TCP listener on the host."""
-
-    base: Path
-    token: str
-    port: int
-    sock: Path
-
-    @property
-    def repo(self) -> Path:
-        return self.base / "repo"
-
-    def sandbox(self, level: Level, **options) -> Sandbox:
-        options.setdefault("memory_bytes", 1 << 30)
-        return Sandbox(
-            level=level,
-            scratch=self.base / "scratch",
-            hidden=(self.repo, Path.home()),  # this machine's interpreter is in /root/.pyenv
-            readable=(self.repo / "grader", *PREFIXES),
-            sockets=(self.sock,),
-            env={"PYTHONDONTWRITEBYTECODE": "1"},
-            **options,
-        )
-
-    def argv(self, mode: str, python: str = sys.executable) -> list[str]:
-        probe = str(self.repo / "grader" / "probe.py")
-        return [
-            python,
-            probe,
-            mode,
-            self.token,
-            str(self.repo),
-            str(self.port),
-            str(self.sock),
-        ]
-
-    def launch(self, box: Sandbox, argv: list[str]) -> subprocess.Popen[str]:
-        """parent -> wrapper (trusted, calls Sandbox.exec) -> sandboxed argv."""
-        box.prepare()
-        spec = {
-            "level": box.level.value,
-            "scratch": str(box.scratch),
-            **{k: [str(p) for p in getattr(box, k)] for k in ("hidden", "readable", "sockets")},
-            "env": dict(box.env),
-            "memory_bytes": box.memory_bytes,
-            "scratch_bytes": box.scratch_bytes,
-            "max_file_bytes": box.max_file_bytes,
-            "max_open_files": box.max_open_files,
-            "uid": box.uid,
-            "gid": box.gid,
-            "argv": argv,
-        }
-        env = {**os.environ, "PYTHONPATH": str(REPO), "GRADER_TEST_SECRET": "1"}
-        return subprocess.Popen(
-            [sys.executable, "-c", PARENT, WRAPPER, json.dumps(spec)],
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            start_new_session=True,
-        )
-
-    def run(self, box: Sandbox, argv: list[str], timeout: float = 60) -> tuple[int, str, str]:
-        proc = self.launch(box, argv)
-        try:
-            out, err = proc.communicate(timeout=timeout)
-        finally:
-            _kill_group(proc)
-        return proc.returncode, out, err
-
-    def probe(self, box: Sandbox, python: str = sys.executable) -> dict:
-        mode = "probe" if box.level is not Level.NONE else "probe-uncapped"
-        code, out, err = self.run(box, self.argv(mode, python))
-        assert code == 0, err
-        return json.loads(out)
-
-
-def _kill_group(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
-
-
-def _serve(server: socket.socket) -> None:
-    """The broker: answers each connection's message with ``pong:<message>``."""
-    while True:
-        try:
-            conn, _ = server.accept()
-        except OSError:  # closed: the test is over
-            return
-        with conn:
-            conn.sendall(b"pong:" + conn.recv(64))
+from grader import sandbox
+from grader.sandbox import GUARANTEES, Level, SandboxError, identity
 
 
 @pytest.fixture
@@ -291,33 +56,19 @@ def world() -> Iterator[World]:
     unix.bind(str(sock))
     unix.listen()
     tcp = socket.create_server(("127.0.0.1", 0))
-    threading.Thread(target=_serve, args=(unix,), daemon=True).start()
+    threading.Thread(target=serve, args=(unix,), daemon=True).start()
     token = f"sandbox-test-{uuid.uuid4().hex}"
     try:
         yield World(base, token, tcp.getsockname()[1], sock)
-        assert _pids_with(token) == [], "a process of the test outlived it"
+        assert pids_with(token) == [], "a process of the test outlived it"
     finally:
-        for pid in _pids_with(token):
+        for pid in pids_with(token):
             os.kill(pid, signal.SIGKILL)
         unix.close()
         tcp.close()
         for leftover in (Path("/tmp") / token, Path("/dev/shm") / token):
             leftover.unlink(missing_ok=True)
         shutil.rmtree(base)
-
-
-def _available(level: Level) -> str | None:
-    try:
-        sandbox.detect(level.value)
-    except SandboxError as exc:
-        return str(exc)
-    return None
-
-
-needs_namespaces = pytest.mark.skipif(
-    bool(_available(Level.NAMESPACES)), reason=str(_available(Level.NAMESPACES))
-)
-needs_uid = pytest.mark.skipif(bool(_available(Level.UID)), reason=str(_available(Level.UID)))
 
 
 @needs_namespaces
@@ -350,11 +101,11 @@ def test_a_hidden_folder_inside_a_later_hidden_one(world: World) -> None:
 
 @needs_uid
 def test_uid_level_confines_by_permissions(world: World) -> None:
-    uid = _free_uid()
+    uid = free_uid()
     (world.repo / "reference").chmod(0o700)  # what hides files at this level
     secret, ok = world.repo / "reference" / "collectives.py", world.repo / "grader" / "ok.py"
     assert identity.readable_by([secret, ok], uid, uid) == [ok]
-    seen = world.probe(world.sandbox(Level.UID, uid=uid, gid=uid), _python_for(uid))
+    seen = world.probe(world.sandbox(Level.UID, uid=uid, gid=uid), python_for(uid))
     assert seen["secret"] == "PermissionError" and seen["readable"] == "readable\n"
     assert seen["write_scratch"] == "ok" and seen["write_repo"] == "PermissionError"
     assert not (world.repo / "grader" / "evil.py").exists()
@@ -364,9 +115,6 @@ def test_uid_level_confines_by_permissions(world: World) -> None:
     assert seen["cwd"] == seen["home"] == str(world.base / "scratch")
     # What this level does not do, as GUARANTEES says: /tmp is shared with the host.
     assert seen["write_tmp"] == "ok" and "/tmp" in GUARANTEES[Level.UID]
-
-
-x86_64 = pytest.mark.skipif(platform.machine() != "x86_64", reason="the probe's syscall numbers")
 
 
 @x86_64
@@ -380,10 +128,10 @@ x86_64 = pytest.mark.skipif(platform.machine() != "x86_64", reason="the probe's 
 def test_kernel_objects_are_refused_and_limits_hold(world: World, level: Level) -> None:
     """The seccomp filter's channels are closed at both levels (syscall_filter's list), and
     a rank cannot fill more than its scratch nor open more files than its cap."""
-    uid = _free_uid() if level is Level.UID else sandbox.NOBODY
+    uid = free_uid() if level is Level.UID else sandbox.NOBODY
     limits = {"scratch_bytes": 8 << 20, "max_file_bytes": 8 << 20, "max_open_files": 64}
     box = world.sandbox(level, uid=uid, gid=uid, **limits)
-    code, out, err = world.run(box, [*world.argv("kernel", _python_for(uid)), "8", "64"])
+    code, out, err = world.run(box, [*world.argv("kernel", python_for(uid)), "8", "64"])
     assert code == 0, err
     seen = json.loads(out)
     refused = {"lockf", "flock", "add_key", "keyctl", "ptrace", "shmget", "unshare"}
@@ -419,8 +167,8 @@ def test_none_level_runs_as_is(world: World) -> None:
     ],
 )
 def test_torch_imports_at_the_default_cap(world: World, level: Level) -> None:
-    uid = 65534 if level is Level.NAMESPACES else _free_uid()
-    if level is Level.UID and _python_for(uid) != sys.executable:
+    uid = 65534 if level is Level.NAMESPACES else free_uid()
+    if level is Level.UID and python_for(uid) != sys.executable:
         pytest.skip(f"uid {uid} cannot reach {sys.executable}, the interpreter with torch")
     box = world.sandbox(level, memory_bytes=sandbox.DEFAULT_MEMORY, uid=uid, gid=uid)
     code, out, err = world.run(
@@ -434,30 +182,30 @@ def test_namespaces_daemon_dies_with_the_parent(world: World) -> None:
     proc = world.launch(world.sandbox(Level.NAMESPACES), world.argv("daemon"))
     try:
         # The scratch is the sandbox's own tmpfs: count the processes (+bwrap, probe, daemon).
-        assert _wait_until(lambda: len(_pids_with(world.token)) >= 4, 30)
+        assert wait_until(lambda: len(pids_with(world.token)) >= 4, 30)
         os.kill(proc.pid, signal.SIGKILL)  # torchrun dies
-        assert _wait_until(lambda: not _pids_with(world.token), 5), _pids_with(world.token)
+        assert wait_until(lambda: not pids_with(world.token), 5), pids_with(world.token)
     finally:
-        _kill_group(proc)
+        kill_group(proc)
 
 
 @needs_uid
 def test_uid_daemon_dies_by_kill_uid(world: World) -> None:
-    uid = _free_uid()
+    uid = free_uid()
     box = world.sandbox(Level.UID, uid=uid, gid=uid)
-    proc = world.launch(box, world.argv("daemon", _python_for(uid)))
+    proc = world.launch(box, world.argv("daemon", python_for(uid)))
     try:
         pid_file = world.base / "scratch" / "daemon.pid"
-        assert _wait_until(lambda: pid_file.exists() and pid_file.read_text(), 20)
+        assert wait_until(lambda: pid_file.exists() and pid_file.read_text(), 20)
         daemon = int(pid_file.read_text())
-        assert _wait_until(lambda: daemon in _pids_with(world.token), 5)
+        assert wait_until(lambda: daemon in pids_with(world.token), 5)
         os.kill(proc.pid, signal.SIGKILL)  # torchrun dies: PDEATHSIG takes the rank
-        assert _wait_until(lambda: _pids_with(world.token) == [daemon], 5)  # escaped
+        assert wait_until(lambda: pids_with(world.token) == [daemon], 5)  # escaped
         assert identity.kill_uid(uid) == 1
-        assert _wait_until(lambda: not _pids_with(world.token), 3)
+        assert wait_until(lambda: not pids_with(world.token), 3)
         assert identity.pids_of(uid) == []
     finally:
-        _kill_group(proc)
+        kill_group(proc)
 
 
 def test_detect_honours_requests_or_says_why(monkeypatch: pytest.MonkeyPatch) -> None:
