@@ -14,9 +14,18 @@ from grader import protocol
 
 
 class RankFailure(Exception):
-    """The submission failed a call; ``outcome`` is the test's outcome, the text its message."""
+    """The submission failed a call; ``outcome`` is the test's outcome, the text its message,
+    ``case`` the input case the call ran on (its message names it: " (case: ...)")."""
 
     outcome = protocol.ERROR
+
+    def __init__(self, message: str = "", case: str = "") -> None:
+        super().__init__(message)
+        self.case = case
+
+    def with_hint(self, hint: str) -> RankFailure:
+        """The same failure, with what the test knows of its cause after the message."""
+        return type(self)(f"{self} ({hint})", self.case)
 
 
 class NotImplementedYet(RankFailure):

@@ -92,17 +92,17 @@ def judge_finished(report: Finished, case: str) -> CallResult:
     }
     if own:
         echoes = [r for r in range(report.size) if r not in own and _echo(outcomes[r], problems)]
-        raise _student_failure(own, echoes, suffix)
+        raise _student_failure(own, echoes, case)
     if problems:
         # The most telling kind, then the lowest rank: the same message whatever the timing.
         first = min(problems, key=lambda p: (p.kind.precedence, p.message))
-        raise first.kind.failure(first.message + suffix)
+        raise first.kind.failure(first.message + suffix, case)
     returned = [o for o in outcomes if isinstance(o, Returned)]
     if len(returned) != report.size:
-        raise failures.CommunicationError("a rank's operation was refused" + suffix)
+        raise failures.CommunicationError("a rank's operation was refused" + suffix, case)
     values = [r.value for r in returned]
     if not all(isinstance(v, dict) and isinstance(v.get("args"), list) for v in values):
-        raise failures.CommunicationError("a rank sent back a malformed result" + suffix)
+        raise failures.CommunicationError("a rank sent back a malformed result" + suffix, case)
     return CallResult(
         [v.get("returned") for v in values],
         [tuple(v["args"]) for v in values],
@@ -125,7 +125,8 @@ def judge_stopped(report: Stopped, case: str) -> tuple[failures.RankFailure, int
             f"rank {culprit}: the process died {during} "
             f"({ended.describe() if ended else 'no exit status'})"
             + suffix
-            + (f"; its last output: {ended.last_words}" if ended and ended.last_words else "")
+            + (f"; its last output: {ended.last_words}" if ended and ended.last_words else ""),
+            case,
         ), culprit
     parts = []
     for rank in report.running:
@@ -138,7 +139,8 @@ def judge_stopped(report: Stopped, case: str) -> tuple[failures.RankFailure, int
     failure = failures.TimedOut(
         ("; ".join(parts) if parts else "a rank never returned")
         + f" (stopped after {report.seconds:.0f} s)"
-        + suffix
+        + suffix,
+        case,
     )
     return failure, report.running[0] if report.running else -1
 
@@ -166,7 +168,7 @@ def _echo(outcome: Returned | RankError | None, problems: list[Problem]) -> bool
 
 
 def _student_failure(
-    own: dict[int, RankError], echoes: list[int], suffix: str
+    own: dict[int, RankError], echoes: list[int], case: str
 ) -> failures.RankFailure:
     first_rank, first = min(own.items())
     same = [r for r, e in own.items() if (e.type, e.message) == (first.type, first.message)]
@@ -174,7 +176,7 @@ def _student_failure(
     if first.type == "NotImplementedError":
         name = first.raiser or "the function"
         return failures.NotImplementedYet(f"not implemented yet: {name} raises NotImplementedError")
-    text = f"{who}: {first.type}: {first.message}".rstrip(": ") + first.where() + suffix
+    text = f"{who}: {first.type}: {first.message}".rstrip(": ") + first.where() + case_suffix(case)
     if limit := limit_reached(f"{first.type}: {first.message}"):
         text += f"; the rank reached its sandbox's limit on {limit}"
     others = [r for r in own if r not in same]
@@ -182,7 +184,7 @@ def _student_failure(
         text += f"; rank {others[0]} also raised {own[others[0]].type}"
     if echoes:
         text += f"; then {'rank' if len(echoes) == 1 else 'ranks'} {_ranks(echoes)} waited in vain"
-    return failures.StudentError(text)
+    return failures.StudentError(text, case)
 
 
 def _ranks(ranks: Sequence[int]) -> str:

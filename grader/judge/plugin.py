@@ -22,6 +22,7 @@ from grader.course.options import TestOptions
 from grader.judge.verdict import Schedule, Verdict
 from grader.launch.job import JobSettings
 from grader.launch.world import CallLimits, RankPool, World
+from grader.testkit.compare import WrongResult
 from grader.testkit.record import PartialCredit, TestRecord
 
 OnStart = Callable[[GradedTest], None]
@@ -123,12 +124,13 @@ class GradingPlugin:
             self.grader_failure = str(err)
             return Verdict(protocol.ERROR, protocol.clean(str(err)))
         if isinstance(err, failures.RankFailure):
-            return Verdict(err.outcome, protocol.clean(str(err)))
+            return Verdict(err.outcome, protocol.clean(str(err)), case=protocol.clean(err.case))
         if isinstance(err, PartialCredit):
             return Verdict(protocol.FAILED, protocol.clean(str(err)), fraction=record.fraction)
         if isinstance(err, AssertionError):
             # The graded tests run with --assert=plain: the message is the test's own.
-            return Verdict(protocol.FAILED, protocol.clean(str(err).strip() or "assertion failed"))
+            message = protocol.clean(str(err).strip() or "assertion failed")
+            return Verdict(protocol.FAILED, message, wrong_result=isinstance(err, WrongResult))
         if report.skipped:
             return Verdict(protocol.ERROR, "the test was skipped: a skipped test earns nothing")
         if err is None:

@@ -111,6 +111,8 @@ class Verdict:
     schedule: Schedule | None = None
     ring: Ring | None = None
     seconds: float = 0.0
+    case: str = ""  # the input case a failed call ran on, which its message names at the end
+    wrong_result: bool = False  # the test found a wrong value, shape or dtype (check_close)
 
     @property
     def passed(self) -> bool:

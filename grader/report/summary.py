@@ -19,6 +19,7 @@ from rich.text import Text
 
 from grader import protocol
 from grader.course.config import COST_KINDS
+from grader.judge.call import case_suffix
 from grader.report.results import GradedResult, Points
 
 PASS_MARK, FAIL_MARK, PARTIAL = "✓", "✗", "partial"
@@ -34,7 +35,6 @@ OUTCOME_STYLE = {
 PARTIAL_STYLE = "yellow"
 LEGEND = "p = world size; ✓ passed, ✗ failed, partial: some of the points"
 # Costs are graded on top of correctness: their columns follow the world sizes.
-_WRONG_RESULT = re.compile(r"(: element \S+.*: expected .*, got )|(: expected (shape|dtype) )")
 _NUMBER = re.compile(r"\d+(\.\d+)?(e[-+]?\d+)?")
 _LIST = re.compile(r"#(, #)+")  # "ranks 1, 2, 3" is "ranks #" whatever the world size
 _DRAWN = re.compile(r" \(schedules drawn in [^)]*\)")
@@ -203,11 +203,15 @@ def cause(result: GradedResult) -> str:
     compared without its numbers, its case, the test it names ("gpipe_step with 3
     microbatches on 2 stages: ") and the order of the waits of a deadlock.
     """
-    message = _DRAWN.sub("", result.verdict.message.split(" (case: ")[0])
-    if _WRONG_RESULT.search(message):
+    verdict = result.verdict
+    if verdict.wrong_result:
         return f"{result.test.target}: a wrong result"
+    message = verdict.message
+    if verdict.case:  # the same cause on another input: all from the case on is left out
+        message = message.partition(case_suffix(verdict.case))[0]
+    message = _DRAWN.sub("", message)
     text = _WHAT.sub("", _LIST.sub("#", _NUMBER.sub("#", message))).replace("ranks #", "rank #")
-    return result.verdict.outcome + ": " + " while ".join(sorted(set(text.split(" while "))))
+    return verdict.outcome + ": " + " while ".join(sorted(set(text.split(" while "))))
 
 
 def fix_first(results: list[GradedResult], collapse: bool = True) -> FixList:

@@ -28,6 +28,11 @@ PRECISION_RELATIVE_ERROR = 1e-2
 _MAX_DIGITS = 17  # enough to tell any two distinct doubles apart
 
 
+class WrongResult(AssertionError):
+    """A result that is not the expected one (its values, shape or dtype): the summary takes
+    every wrong result of a function as one cause, whatever its numbers."""
+
+
 def tolerance(
     dtype: torch.dtype, magnitude: torch.Tensor | float, terms: int
 ) -> torch.Tensor | float:
@@ -53,7 +58,7 @@ def check_close(
     explanations: dict[str, torch.Tensor] | Callable[[], dict[str, torch.Tensor]] | None = None,
     before: torch.Tensor | None = None,
 ) -> None:
-    """Raise an AssertionError naming the first wrong element of ``actual``, and why.
+    """Raise :class:`WrongResult` naming the first wrong element of ``actual``, and why.
 
     ``magnitude``: the sum of the absolute values of the terms behind each
     expected element (for the float tolerance); ``explanations``: what the
@@ -62,11 +67,11 @@ def check_close(
     (to recognise a tensor that came back unchanged).
     """
     if actual.shape != expected.shape:
-        raise AssertionError(
+        raise WrongResult(
             f"{what}: expected shape {tuple(expected.shape)}, got {tuple(actual.shape)}"
         )
     if actual.dtype != expected.dtype:
-        raise AssertionError(f"{what}: expected dtype {expected.dtype}, got {actual.dtype}")
+        raise WrongResult(f"{what}: expected dtype {expected.dtype}, got {actual.dtype}")
     got = actual.detach().cpu().reshape(-1).double()
     want = expected.detach().cpu().reshape(-1).double()
     scale = magnitude.detach().cpu().reshape(-1).double() if magnitude is not None else want.abs()
@@ -85,7 +90,7 @@ def check_close(
     reason = _explain(got, wrong, allowed, explanations or {}, before)
     if not reason and expected.dtype.is_floating_point:
         reason = _precision(got, want, wrong, index, allowed, scale, terms, expected.dtype)
-    raise AssertionError(message + (f" ({reason})" if reason else ""))
+    raise WrongResult(message + (f" ({reason})" if reason else ""))
 
 
 def check_unchanged(actual: torch.Tensor, original: torch.Tensor, what: str) -> None:
@@ -189,14 +194,16 @@ def on_every_rank(p: int, check: Callable[[int], None]) -> None:
     The ranks that failed with the very same message are named after it, so a student
     sees at once whether a mistake is on one rank or everywhere.
     """
-    problems: dict[int, str] = {}
+    problems: dict[int, AssertionError] = {}
     for r in range(p):
         try:
             check(r)
         except AssertionError as err:
-            problems[r] = str(err)
+            problems[r] = err
     if problems:
-        first, text = min(problems.items())
-        same = [r for r, t in problems.items() if r != first and t == text]
+        first, error = min(problems.items())
+        text = str(error)
+        same = [r for r, e in problems.items() if r != first and str(e) == text]
         also = f" (the same on rank{'s' * (len(same) > 1)} {', '.join(map(str, same))})"
-        raise AssertionError(f"rank {first}: {text}" + (also if same else ""))
+        # Of the first problem's type: a wrong result (WrongResult) stays one.
+        raise type(error)(f"rank {first}: {text}" + (also if same else ""))

@@ -127,7 +127,7 @@ def check_item(
     except AssertionError as err:
         if not rebound:
             raise
-        raise AssertionError(
+        raise type(err)(
             f"{err} (the list item was replaced, not filled in: the caller's tensors must "
             "hold the result, so copy into them, e.g. tensor_list[i].copy_(...))"
         ) from None

@@ -209,7 +209,7 @@ def check_training(world: World, optimizer: str, bucket: str, unused_step: int =
     except failures.RankFailure as err:
         if not unused_step or isinstance(err, failures.NotImplementedYet):
             raise
-        raise type(err)(f"{err} ({UNUSED_HINT})") from err
+        raise err.with_hint(UNUSED_HINT) from err
     keep = "keep the wrapped model as DataParallel.module (found {})"
     blame(what, [s["module"] and keep.format(s["module"]) for s in seen])
     mismatches = [initial_mismatch(s["initial"], states[0]) for s in seen]

@@ -78,7 +78,9 @@ def run_step(world: World, function: str, m: int) -> tuple[CallResult, Tensor, T
         out = world.call(scenario="pipeline_parallel.step", args=args, case=case)
     except (failures.StudentError, failures.Deadlock) as err:
         hint = failure_hint(str(err), function, p, m)
-        raise type(err)(f"{err} ({hint})" if hint else str(err)) from err
+        if not hint:
+            raise
+        raise err.with_hint(hint) from err
     return out, inputs, targets
 
 

@@ -188,11 +188,11 @@ def test_sharded_optimizer_no_owner(world: World, optimizer: str) -> None:
     except failures.RankFailure as err:
         if isinstance(err, failures.NotImplementedYet):
             raise
-        raise type(err)(
-            f"{err} ({n} parameters on {world.size} ranks: some rank owns none of a param "
+        raise err.with_hint(
+            f"{n} parameters on {world.size} ranks: some rank owns none of a param "
             "group's parameters, or none at all, and must still build its optimizer (a param "
             "group with an empty params list is allowed), step it and take part in every "
-            "broadcast)"
+            "broadcast"
         ) from err
     check_steps(seen, optimizer, inputs, split=FEW_SPLIT)
 

@@ -77,10 +77,10 @@ def call(world: World, scenario: str, args: list, case: str) -> CallResult:
     except failures.StudentError as err:
         if "returned an invalid gradient" not in str(err):
             raise
-        raise failures.StudentError(
-            f"{err} (a backward returns a gradient of its input's shape: "
+        raise err.with_hint(
+            "a backward returns a gradient of its input's shape: "
             "scatter_to_parallel_region's backward all-gathers the ranks' gradients along the "
-            "last dimension, gather_from_parallel_region's keeps this rank's slice of it)"
+            "last dimension, gather_from_parallel_region's keeps this rank's slice of it"
         ) from err
 
 

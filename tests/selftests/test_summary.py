@@ -32,12 +32,14 @@ def result(
     points: float = 1.0,
     score: float | None = None,
     target: str = "",
+    wrong_result: bool = False,
 ) -> GradedResult:
     settings = Settings((size,), points, 10.0, "visible", True)
     function = target or name.split("[")[-1].rstrip("]")
     test = GradedTest("collectives", name, name, f"collectives.{function}", kind, size, settings)
     earned = (points if outcome == protocol.PASSED else 0.0) if score is None else score
-    return GradedResult(test, Verdict(outcome, message), earned)
+    verdict = Verdict(outcome, message, wrong_result=wrong_result)
+    return GradedResult(test, verdict, earned)
 
 
 def broken_all_reduce() -> list[GradedResult]:
@@ -45,7 +47,13 @@ def broken_all_reduce() -> list[GradedResult]:
     results = [result("broadcast", p) for p in (1, 2, 3, 4)]
     results += [result("all_reduce", 1)]
     results += [
-        result("all_reduce", p, protocol.FAILED, message=WRONG.format(f="all_reduce", n=p))
+        result(
+            "all_reduce",
+            p,
+            protocol.FAILED,
+            message=WRONG.format(f="all_reduce", n=p),
+            wrong_result=True,
+        )
         for p in (2, 3, 4)
     ]
     results += [
@@ -56,6 +64,7 @@ def broken_all_reduce() -> list[GradedResult]:
             kind="communication",
             points=0.5,
             message=WRONG.format(f="all_reduce", n=49152),
+            wrong_result=True,
         )
         for p in (2, 3, 4)
     ]
@@ -162,7 +171,9 @@ def test_root_cause_per_function_at_its_smallest_world_size_then_one_line() -> N
 
 def test_a_different_problem_of_the_same_function_is_still_shown() -> None:
     results = [
-        result("gather", 2, protocol.FAILED, message=WRONG.format(f="gather", n=1)),
+        result(
+            "gather", 2, protocol.FAILED, message=WRONG.format(f="gather", n=1), wrong_result=True
+        ),
         result("gather", 3, protocol.TIMEOUT, message="rank 1 still in recv from rank 0"),
         result("gather", 4, protocol.TIMEOUT, message="rank 3 still in recv from rank 0"),
     ]
