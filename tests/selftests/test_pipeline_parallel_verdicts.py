@@ -63,6 +63,23 @@ def test_1f1b_running_gpipe_fails_only_the_1f1b_schedule(grade) -> None:
     assert "stage 0 of 2 is 1 forward," in graded.message("one_f_one_b_schedule", 2)
 
 
+def test_a_forged_timeline_fails_on_the_brokers_record(grade) -> None:
+    """GPipe run, then the recorder's timeline rewritten to 1F1B's: the timeline is perfect,
+    and the verdict still fails, on what the broker saw of the messages."""
+    graded = grade("pp_forged_timeline", PART, world_sizes=(2, 4))
+    for (name, size), outcome in graded.outcomes().items():
+        assert outcome == ("failed" if name == "one_f_one_b_schedule" else "passed"), (name, size)
+    entry = graded.test("one_f_one_b_schedule", 4)
+    assert entry["score"] == 0
+    assert entry["extra_data"]["timeline"] == entry["extra_data"]["expected_timeline"]
+    assert entry["output"].startswith(
+        "rank 0: one_f_one_b_step with 9 microbatches on 4 stages: stage 0 sent 9 activations "
+        "to stage 1 beyond the gradients it had asked back, so 9 microbatches were in flight "
+        "(the broker's record of its messages); 1F1B's warm-up on stage 0 of 4 is 3 forwards"
+    )
+    assert entry["extra_data"]["in_flight_lower_bound_from_messages"] == [9, 9, 9]
+
+
 def test_unscaled_loss_fails_gradients_with_the_scaling_hint(grade) -> None:
     graded = grade("pp_loss_not_scaled", PART, world_sizes=(2, 3))
     for name in SCHEDULES:
