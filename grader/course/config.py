@@ -130,6 +130,8 @@ GRADESCOPE_KEYS = ("visibility", "stdout_visibility")
 class TestSettings:
     """What the YAML says of one graded test (a part's defaults, overridden per test)."""
 
+    __test__ = False  # not a pytest test class, whatever its name
+
     world_sizes: tuple[int, ...]
     points: float
     timeout: float
