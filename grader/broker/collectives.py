@@ -66,9 +66,9 @@ def run(members: list[Op]) -> list[list[torch.Tensor]]:
     first = members[0]
 
     def signature(op: Op) -> tuple:
-        inputs = op.info["inputs"]  # an all-to-all's pieces may differ in size from rank to rank
-        return (op.kind, op.info["root"], op.info["reduce_op"],
-                len(inputs) if op.kind == "all_to_all" else inputs)  # fmt: skip
+        call = op.collective  # an all-to-all's pieces may differ in size from rank to rank
+        return (op.kind, call.root, call.reduce_op,
+                len(call.inputs) if op.kind == "all_to_all" else call.inputs)  # fmt: skip
 
     for op in members[1:]:
         if signature(op) != signature(first):
@@ -78,15 +78,15 @@ def run(members: list[Op]) -> list[list[torch.Tensor]]:
             )
     if first.kind == "all_to_all":
         _check_splits(members)
-    root = first.info["root"]
-    if first.kind == "broadcast" and not 0 <= root < len(first.info["group"]):
+    root = first.collective.root
+    if first.kind == "broadcast" and not 0 <= root < len(first.group):
         raise CollectiveError(f"broadcast from rank {root}, outside the group")
     try:
         inputs = [
-            [tensor_of(meta, buf) for meta, buf in zip(op.info["inputs"], op.payload, strict=True)]
+            [tensor_of(m, buf) for m, buf in zip(op.collective.inputs, op.payload, strict=True)]
             for op in members
         ]
-        return compute(first.kind, inputs, root, first.info["reduce_op"])
+        return compute(first.kind, inputs, root, first.collective.reduce_op)
     except (ValueError, RuntimeError, IndexError, KeyError) as err:
         raise CollectiveError(f"{first.kind} failed: {err}") from None
 
@@ -95,15 +95,17 @@ def _check_splits(members: list[Op]) -> None:
     """In an all-to-all, what rank r sends to rank s is what s expects from r (gloo aborts the
     process otherwise): receive sizes that do not come from the exchanged counts are named."""
     for op in members:
-        if len(op.info["inputs"]) != len(members) or len(op.info["outputs"]) != len(members):
+        call = op.collective
+        if len(call.inputs) != len(members) or len(call.outputs) != len(members):
             raise CollectiveError(
-                f"all_to_all: rank {op.rank} gives {len(op.info['inputs'])} input and "
-                f"{len(op.info['outputs'])} output pieces for a group of {len(members)} ranks "
+                f"all_to_all: rank {op.rank} gives {len(call.inputs)} input and "
+                f"{len(call.outputs)} output pieces for a group of {len(members)} ranks "
                 f"(at {op.at or '?'})"
             )
     for sender, op in enumerate(members):
         for receiver, target in enumerate(members):
-            sent, expected = op.info["inputs"][receiver], target.info["outputs"][sender]
+            sent = op.collective.inputs[receiver]
+            expected = target.collective.outputs[sender]
             if (sent.numel, sent.dtype) != (expected.numel, expected.dtype):
                 raise CollectiveError(
                     f"all_to_all: rank {op.rank} sends {sent} to rank {target.rank} (at "

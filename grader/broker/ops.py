@@ -10,7 +10,7 @@ import torch
 
 from grader import wire
 from grader.failures import Fault
-from grader.protocol import ProtocolError, RankError, TensorMeta
+from grader.protocol import ProtocolError, RankError, TensorMeta, clean, field_int
 from grader.wire import Frame
 
 
@@ -63,6 +63,29 @@ class Gate:
         return False
 
 
+@dataclass(frozen=True)
+class CollectiveCall:
+    """What a rank says of its part in a collective, decoded and checked by the broker."""
+
+    root: int  # a group rank: where a broadcast starts (0 for the others)
+    reduce_op: str
+    inputs: tuple[TensorMeta, ...]
+    outputs: tuple[TensorMeta, ...]
+
+    @classmethod
+    def read(cls, header: dict[str, Any]) -> CollectiveCall:
+        """From a collective frame's header: a ProtocolError if it breaks the format."""
+        inputs, outputs = header.get("inputs", []), header.get("outputs", [])
+        if not isinstance(inputs, list) or not isinstance(outputs, list):
+            raise ProtocolError("a collective's inputs and outputs must be lists")
+        return cls(
+            field_int(header, "root", -(1 << 31), 1 << 31) if "root" in header else 0,
+            clean(header.get("reduce_op", "sum"), 20),
+            tuple(TensorMeta.read(m) for m in inputs),
+            tuple(TensorMeta.read(m) for m in outputs),
+        )
+
+
 @dataclass
 class Op:
     """One operation a rank posted: a send, a receive or its part of a collective."""
@@ -75,12 +98,21 @@ class Op:
     at: str
     meta: TensorMeta | None = None
     payload: list[bytes] = field(default_factory=list)
-    info: dict[str, Any] = field(default_factory=dict)
+    group: tuple[int, ...] = ()  # the global ranks of its process group
+    group_peer: int = 0  # a send's or a receive's peer as the rank named it, a group rank
+    call: CollectiveCall | None = None  # a collective's part: what the rank said of it
     done: bool = False  # the broker has decided it: matched, computed or refused
     waited: bool = False  # the rank asked for its outcome (wait, is_completed, get_future)
     held: Frame | None = None  # its outcome, kept until the rank asks for it
     refused: bool = False
     event: int = -1  # its position in the rank's traffic record
+
+    @property
+    def collective(self) -> CollectiveCall:
+        """The rank's part in the collective this op is (the broker made it one)."""
+        if self.call is None:
+            raise ValueError(f"{self.kind} is not a collective")
+        return self.call
 
     def describe(self) -> str:
         where = f" at {self.at}" if self.at else ""
@@ -174,8 +206,8 @@ def tensor_of(meta: TensorMeta, buffer: bytes) -> torch.Tensor:
 
 
 def describe_collective(op: Op) -> str:
-    sizes = ", ".join(map(str, op.info["inputs"]))
-    root = f" from root {op.info['root']}" if op.kind == "broadcast" else ""
+    sizes = ", ".join(map(str, op.collective.inputs))
+    root = f" from root {op.collective.root}" if op.kind == "broadcast" else ""
     return f"{op.kind}{root} of [{sizes}] at {op.at or '?'}"
 
 

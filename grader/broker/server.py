@@ -38,6 +38,7 @@ from grader import protocol, wire
 from grader.broker import collectives, faults
 from grader.broker.connections import Connections
 from grader.broker.ops import (
+    CollectiveCall,
     Gate,
     LimitExceeded,
     Limits,
@@ -209,22 +210,16 @@ class Broker(Connections):
         group = protocol.field_ranks(frame.header, self.active)
         if state.rank not in group:
             raise ProtocolError("a rank posted a collective of a group it is not in")
-        op.info = {
-            "group": group,
-            "root": frame.header.get("root", 0),
-            "reduce_op": clean(frame.header.get("reduce_op", "sum"), 20),
-            "inputs": [TensorMeta.read(m) for m in frame.header.get("inputs", [])],
-            "outputs": [TensorMeta.read(m) for m in frame.header.get("outputs", [])],
-        }
-        if len(frame.buffers) != len(op.info["inputs"]):
+        op.group, op.call = group, CollectiveCall.read(frame.header)
+        if len(frame.buffers) != len(op.call.inputs):
             raise ProtocolError("a collective carries one payload per input tensor")
-        for meta, buffer in zip(op.info["inputs"], frame.buffers, strict=True):
+        for meta, buffer in zip(op.call.inputs, frame.buffers, strict=True):
             check_payload(meta, buffer, f"{name}'s input")
         op.payload = frame.buffers
         nbytes = sum(len(b) for b in op.payload)
         if not self._hold(state, op, nbytes):
             return
-        inputs = op.info["inputs"]
+        inputs = op.call.inputs
         dtype = inputs[0].dtype if inputs else ""
         # As posted, with the dtype: a bucket flattened in float32 shows here, not only in bytes.
         op.event = len(self.traffic.per_rank[state.rank])
@@ -307,14 +302,14 @@ class Broker(Connections):
             group = protocol.field_ranks(header, self.active)
             peer = field_int(header, "peer")
             op.peer = group[peer] if 0 <= peer < len(group) else -2 - peer
-            op.info = {"group": group, "group_peer": peer}
+            op.group, op.group_peer = group, peer
         return op
 
     def _check_peer(self, op: Op) -> bool:
-        group = op.info["group"]
+        group = op.group
         if op.peer >= 0 and op.peer != op.rank:
             return True
-        peer = op.info["group_peer"]
+        peer = op.group_peer
         direction = "to" if op.kind == "send" else "from"
         reason = (
             "itself"
