@@ -16,6 +16,7 @@ The ranks of a graded job never read it: they see no course at all.
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -217,18 +218,23 @@ def load_config(path: Path | None = None) -> GradingConfig:
     return GradingConfig(parts=parts, path=path, gradescope=gradescope, limits=limits)
 
 
+def _block(body: Any, name: str, keys: Sequence[str], path: Path) -> None:
+    """A top-level block of grading.yaml is a mapping of known keys, or one clear line."""
+    if not isinstance(body, dict):
+        raise ConfigError(f"{path}: '{name}' must be a mapping")
+    unknown = set(body) - set(keys)
+    if unknown:
+        raise ConfigError(
+            f"{path}: {name} has unknown keys: {', '.join(sorted(map(str, unknown)))} "
+            f"(known: {', '.join(keys)})"
+        )
+
+
 def _limits(body: Any, path: Path) -> RankLimits:
     """The ``limits:`` block, in whole MiB (at least 16 each)."""
     if body is None:
         return RankLimits()
-    if not isinstance(body, dict):
-        raise ConfigError(f"{path}: 'limits' must be a mapping")
-    unknown = set(body) - set(LIMIT_KEYS)
-    if unknown:
-        raise ConfigError(
-            f"{path}: limits has unknown keys: {', '.join(sorted(map(str, unknown)))} "
-            f"(known: {', '.join(LIMIT_KEYS)})"
-        )
+    _block(body, "limits", LIMIT_KEYS, path)
     for key, value in body.items():
         if isinstance(value, bool) or not isinstance(value, int) or value < 16:
             raise ConfigError(f"{path}: limits.{key} must be a whole number of MiB >= 16")
@@ -247,14 +253,7 @@ def _gradescope(body: Any, parts: dict[str, PartConfig], path: Path) -> dict[str
     """
     if body is None:
         return {}
-    if not isinstance(body, dict):
-        raise ConfigError(f"{path}: 'gradescope' must be a mapping")
-    unknown = set(body) - set(GRADESCOPE_KEYS)
-    if unknown:
-        raise ConfigError(
-            f"{path}: gradescope has unknown keys: {', '.join(sorted(map(str, unknown)))} "
-            f"(known: {', '.join(GRADESCOPE_KEYS)})"
-        )
+    _block(body, "gradescope", GRADESCOPE_KEYS, path)
     for key, value in body.items():
         if value not in VISIBILITIES:
             raise ConfigError(
