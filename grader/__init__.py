@@ -3,7 +3,8 @@
 Rooms: ``commands`` are what a user types (``grader run``, ``batch``, ``bench``, ...);
 ``course`` is what is graded (grading.yaml, the graded tests, the submission, the secret);
 ``grading`` is one grading run from start to results; ``launch`` starts and ends torchrun
-jobs of ranks, each in its ``sandbox`` (levels, uids, seccomp filter); ``rank`` is what
+jobs of ranks, each in its ``sandbox`` (levels, what the ranks see, uids, seccomp filter),
+and ``nodes`` spreads a job over several machines; ``rank`` is what
 runs inside each rank; ``broker`` is the trusted end of every rank's connection, which
 carries and counts every message; ``judge`` runs the graded tests in the grader's own
 process and makes every verdict from what the trusted side computed and the broker saw;

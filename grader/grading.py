@@ -26,17 +26,17 @@ from pathlib import Path
 import pytest
 
 from grader import protocol, sandbox
-from grader.commands.options import Nodes, NodesError
 from grader.course import config as course
 from grader.course.catalog import GradedTest, WorldSizes, graded_pytest
-from grader.course.config import GradingConfig, RankLimits
+from grader.course.config import GradingConfig
 from grader.course.secret import secret, secret_path
 from grader.course.submission import problem_with, stage
 from grader.judge.audit import audit
 from grader.judge.plugin import GradingPlugin
 from grader.judge.verdict import Verdict
-from grader.launch.job import JobSettings, probe
-from grader.launch.nodes import Head, node_key, pack_folder
+from grader.launch.job import JobSettings, job_settings, probe
+from grader.nodes import Nodes, NodesError, node_key, pack_folder
+from grader.nodes.head import Head
 from grader.report.results import GradedResult
 from grader.sandbox import identity as uids
 from grader.sandbox.identity import Identity
@@ -257,33 +257,6 @@ def _run_tests(
     return code == pytest.ExitCode.INTERRUPTED and failure is None, failure
 
 
-def job_settings(
-    work: Path,
-    level: sandbox.Level,
-    device: str,
-    head: Head | None = None,
-    limits: RankLimits | None = None,
-    identity: Identity | None = None,
-) -> JobSettings:
-    """What every job of a run shares; made the same way on every node of a run."""
-    import_dir = work / "import"
-    package = Path(__file__).resolve().parent
-    limits = limits or RankLimits()
-    return JobSettings(
-        work_dir=work,
-        import_dir=import_dir,
-        sandbox=level.value,
-        hidden=tuple(p for p in _hidden(work) if p.exists()),
-        readable=(package, import_dir, *_interpreter()),
-        pythonpath=str(package.parent),
-        memory_bytes=limits.memory_bytes,
-        device=device,
-        head=head,
-        scratch_bytes=limits.scratch_bytes,
-        identity=identity if level is not sandbox.Level.NONE else None,
-    )
-
-
 def _start_head(
     nodes: Nodes, tests: list[GradedTest], import_dir: Path, level: sandbox.Level, device: str
 ) -> Head:
@@ -301,31 +274,6 @@ def _start_head(
         head.finish()
         raise
     return head
-
-
-# What the ranks see of the machine's root: the system, nothing else (another checkout of the
-# course, with its reference, may lie anywhere outside these).
-_SYSTEM = {"bin", "boot", "dev", "etc", "lib", "lib32", "lib64", "libx32", "proc", "run", "sbin",
-           "sys", "tmp", "usr"}  # fmt: skip
-
-
-def _hidden(work: Path) -> list[Path]:
-    """What the ranks must not see: every top-level directory but the system's (the course's
-    checkouts, with the reference, the hidden tests and the configuration; home directories;
-    the secret), the grader's work directory, and the course wherever it lies."""
-    tops = [Path("/") / name for name in sorted(os.listdir("/")) if name not in _SYSTEM]
-    return [*tops, course.REPO_ROOT, work, Path.home(), secret_path().parent]
-
-
-def _interpreter() -> list[Path]:
-    """What the ranks need back: Python, and the directories it imports packages from (torch),
-    but not the directory the grader was started in, nor anything inside the course."""
-    found = [Path(sys.base_prefix), Path(sys.prefix)]
-    for entry in sys.path[1:]:
-        path = Path(entry).resolve() if entry else None
-        if path and path.is_dir() and not path.is_relative_to(course.REPO_ROOT.resolve()):
-            found.append(path)
-    return list(dict.fromkeys(found))
 
 
 def _digest(import_dir: Path) -> str:

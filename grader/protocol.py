@@ -29,7 +29,7 @@ Broker to rank::
     refused    {op, message}
     dump_stack {}
 
-Between the grader's own processes when a job spans nodes (:mod:`grader.launch.nodes`);
+Between the grader's own processes when a job spans nodes (:mod:`grader.nodes`);
 whoever connects to the head proves that it knows the course's secret::
 
     challenge {nonce}                                  head to whoever connects

@@ -3,7 +3,7 @@
 Each rank connects to a Unix socket of its own (bound into its sandbox
 alone, so a rank is who its socket says), or, on another node, through a
 trusted relay that proved it knows the course's secret
-(:mod:`grader.launch.nodes`). Sends and receives are matched
+(:mod:`grader.nodes`). Sends and receives are matched
 here, in order per (source, destination, tag), as MPI and gloo match them;
 collectives are computed here from every member's contribution. Because the
 broker sees every operation and knows which ranks are blocked, it sees

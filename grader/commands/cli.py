@@ -36,9 +36,10 @@ from rich.markup import escape
 
 from grader import sandbox
 from grader.commands import batch as batching
-from grader.commands.options import Nodes, NodesError, UsageError, parser
+from grader.commands.options import UsageError, parser
 from grader.course.config import ConfigError, GradingConfig, activate, find_config, load_config
 from grader.course.submission import SubmissionError, resolve
+from grader.nodes import Nodes, NodesError
 
 if TYPE_CHECKING:
     from grader.course.catalog import GradedTest
@@ -284,7 +285,7 @@ def _batch(args: argparse.Namespace, config: GradingConfig, parts: list[str]) ->
 
 def _lend(nodes: Nodes, sandbox_request: str) -> int:
     """A node other than node 0: lend ranks to node 0's jobs until grading is over."""
-    from grader.commands.lend import lend_ranks
+    from grader.nodes.lend import lend_ranks
 
     try:
         with _terminate_as_interrupt():

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass
 from pathlib import Path
 
 from grader.course.config import CONFIG_ENV
@@ -140,56 +139,3 @@ def parser() -> argparse.ArgumentParser:
         "--merge", nargs="+", metavar="DIR", type=Path, help="join shards' OUT folders into --out"
     )
     return parser
-
-
-class NodesError(Exception):
-    """The nodes cannot form one run (bad options, a wrong secret, a node gone); one line."""
-
-
-@dataclass(frozen=True)
-class Nodes:
-    """Where this grader stands in a run across nodes (``--nnodes/--node-rank/--rdzv-endpoint``)."""
-
-    count: int
-    rank: int
-    host: str
-    port: int
-
-    @property
-    def head(self) -> bool:
-        return self.rank == 0
-
-    @property
-    def endpoint(self) -> str:
-        return f"{self.host}:{self.port}"
-
-    @classmethod
-    def from_options(
-        cls, nnodes: int | None, node_rank: int | None, endpoint: str | None
-    ) -> Nodes | None:
-        """The options merged into one value; None for a run on this machine alone."""
-        if nnodes is None and node_rank is None and endpoint is None:
-            return None
-        if nnodes is None or nnodes < 1:
-            raise NodesError("--nnodes N (N >= 1) says how many nodes the job spans")
-        if nnodes == 1 and not node_rank:
-            return None
-        if node_rank is None or not 0 <= node_rank < nnodes:
-            raise NodesError(
-                f"--node-rank R must be in 0..{nnodes - 1} (0 is the node that grades)"
-            )
-        host, _, port = (endpoint or "").rpartition(":")
-        if not host or not port.isdigit() or not 0 < int(port) < 65536:
-            raise NodesError(
-                "--rdzv-endpoint HOST:PORT (node 0's address, and a free port there) is needed "
-                "with --nnodes"
-            )
-        return cls(nnodes, node_rank, host.strip("[]"), int(port))
-
-    def per_node(self, world_size: int) -> int:
-        if world_size % self.count:
-            raise NodesError(
-                f"--nnodes {self.count} does not divide the job's {world_size} ranks "
-                "(the largest world size graded): every node runs as many"
-            )
-        return world_size // self.count

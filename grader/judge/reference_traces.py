@@ -81,7 +81,7 @@ def build(sizes: dict[int, set[int]]) -> Traces:
     from grader import sandbox
     from grader.course.config import REPO_ROOT
     from grader.course.submission import stage
-    from grader.grading import job_settings
+    from grader.launch.job import job_settings
     from grader.launch.world import CallLimits, RankPool, World
     from grader.testkit import data
     from grader.testkit.calls import COLLECTIVES, collective_call

@@ -28,13 +28,14 @@ from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING
 
+from grader.course.config import RankLimits
 from grader.launch.sandboxed import SandboxPlan, last_words
 from grader.protocol import rank_socket
-from grader.sandbox import DEFAULT_SCRATCH, die_with
+from grader.sandbox import DEFAULT_SCRATCH, Level, die_with, view
 
 if TYPE_CHECKING:
-    from grader.commands.options import Nodes
-    from grader.launch.nodes import Head
+    from grader.nodes import Nodes
+    from grader.nodes.head import Head
     from grader.sandbox.identity import Identity
 
 
@@ -53,9 +54,36 @@ class JobSettings:
     pythonpath: str
     memory_bytes: int
     device: str = "cpu"
-    head: Head | None = None  # a job across nodes: this grader is node 0 (grader.launch.nodes)
+    head: Head | None = None  # a job across nodes: this grader is node 0 (grader.nodes)
     scratch_bytes: int = DEFAULT_SCRATCH
     identity: Identity | None = None  # as root: the run's own uids, a uid per local rank
+
+
+def job_settings(
+    work: Path,
+    level: Level,
+    device: str,
+    head: Head | None = None,
+    limits: RankLimits | None = None,
+    identity: Identity | None = None,
+) -> JobSettings:
+    """What every job of a run shares; made the same way on every node of a run."""
+    import_dir = work / "import"
+    package = Path(__file__).resolve().parents[1]  # grader/
+    limits = limits or RankLimits()
+    return JobSettings(
+        work_dir=work,
+        import_dir=import_dir,
+        sandbox=level.value,
+        hidden=tuple(p for p in view.hidden(work) if p.exists()),
+        readable=(package, import_dir, *view.interpreter()),
+        pythonpath=str(package.parent),
+        memory_bytes=limits.memory_bytes,
+        device=device,
+        head=head,
+        scratch_bytes=limits.scratch_bytes,
+        identity=identity if level is not Level.NONE else None,
+    )
 
 
 @dataclass(frozen=True)

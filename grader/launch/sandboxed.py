@@ -144,7 +144,7 @@ def main(job_dir: Path, probe: bool = False) -> int:
     if listener is None:
         code = child.wait()
     else:
-        from grader.launch.relay import Relay  # across nodes only: it imports torch
+        from grader.nodes.relay import Relay  # across nodes only: it imports torch
 
         relay = Relay(listener, child, plan.broker, bytes.fromhex(plan.key))
         code = relay.run(plan.job, rank, lambda: last_words(job_dir, rank))

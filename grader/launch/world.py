@@ -48,7 +48,7 @@ from grader.protocol import RankExit
 from grader.wire import Frame
 
 if TYPE_CHECKING:
-    from grader.launch.nodes import Head
+    from grader.nodes.head import Head
 
 _START_SECONDS = 120.0  # torch's import on a loaded laptop, times every rank
 

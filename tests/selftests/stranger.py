@@ -19,7 +19,7 @@ import threading
 from pathlib import Path
 
 from grader import protocol, wire
-from grader.launch.nodes import pack_folder
+from grader.nodes import pack_folder
 from grader.wire import Frame
 
 HANDSHAKE = 3  # challenge (head to node), join (node to head), accept (head to node)

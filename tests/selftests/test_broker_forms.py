@@ -22,7 +22,7 @@ from runner import SUBMISSIONS
 
 from grader import sandbox
 from grader.course.submission import stage
-from grader.grading import job_settings
+from grader.launch.job import job_settings
 from grader.launch.world import CallLimits, RankPool
 
 FORMS = SUBMISSIONS / "broker_forms"

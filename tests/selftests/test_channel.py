@@ -14,11 +14,10 @@ import pytest
 from stranger import Stranger, evil_run, forged_record
 
 from grader import protocol, sandbox, wire
-from grader.commands.lend import lend_ranks, node_level
-from grader.commands.options import Nodes, NodesError
-from grader.launch import channel
-from grader.launch.channel import Sealed, TamperedError, connect
-from grader.launch.nodes import Head, node_key
+from grader.nodes import Nodes, NodesError, channel, node_key
+from grader.nodes.channel import Sealed, TamperedError, connect
+from grader.nodes.head import Head
+from grader.nodes.lend import lend_ranks, node_level
 from grader.wire import Frame
 
 KEY = b"k" * 32

@@ -16,12 +16,13 @@ from grader import protocol, wire
 from grader.broker.ops import Limits
 from grader.broker.server import Broker
 from grader.broker.traffic import Wait
-from grader.commands.options import Nodes, NodesError
 from grader.judge.audit import audit
 from grader.judge.communication import figures, min_rounds
 from grader.judge.projection import machines, project
 from grader.judge.replay import ReplayError
-from grader.launch.nodes import Head, connect
+from grader.nodes import Nodes, NodesError
+from grader.nodes.channel import connect
+from grader.nodes.head import Head
 from grader.testkit.costs import judge_performance
 from grader.wire import Frame, WireError
 
@@ -298,7 +299,7 @@ def test_the_heads_port_serves_no_one_without_the_proof() -> None:
 
 
 def test_a_stranger_trickling_bytes_is_cut_at_the_handshakes_deadline(monkeypatch) -> None:
-    from grader.launch import channel
+    from grader.nodes import channel
 
     monkeypatch.setattr(channel, "HANDSHAKE_SECONDS", 0.5)
     with socket.socket() as probe:

@@ -1,71 +1,35 @@
-"""Graded jobs larger than one machine: the head, the nodes that lend it ranks, the proof.
-
-    node 0:  grader run [PART ...] --nnodes 2 --node-rank 0 --rdzv-endpoint HEAD:29400
-    node 1:  grader run --nnodes 2 --node-rank 1 --rdzv-endpoint HEAD:29400
-
-Node 0, the head, grades: it runs the graded tests and the broker, and hosts
-at HEAD:PORT the store in which torchrun's agents meet (torchrun's c10d
-rendezvous; the head's own agent is one of them). Every other node lends
-ranks: its grader joins the head, receives the staged submission and the
-sandbox level, and for each job the head starts, starts an agent of its own
-in the same rendezvous. Each rank reaches the broker through its trusted
-relay (:mod:`grader.launch.relay`). Which global ranks land on which node is
-torchrun's choice.
-
-Supervision reads no other machine's /proc or files:
-
-- a node's grader stays connected to the head for the whole run, so the head
-  knows at once when a node goes, and a node whose head goes ends its ranks;
-- a rank's relay tells the broker how the rank's process ended, and its last
-  output; its stack is asked of the rank through the broker, as on one machine;
-- the head ends a job by closing the broker: each relay then kills its rank,
-  and each node's agent ends with its ranks.
-
-Everything between nodes passes through one TCP port of the head, which the
-rendezvous store names, in sessions of :mod:`grader.launch.channel`: the head
-and whoever connects there each prove that they hold a key made from the
-course's secret (which the ranks cannot read), and every frame after that is
-checked. The head listens to no one else, and a node obeys no one else.
-
-No setting of the sandbox is taken from the network: each node grades at its
-own level (its own ``--sandbox``, or the best it has), and refuses a head
-that asks for less; each node says the level it applied, and results.json
-records them.
-"""
+"""Node 0's side of a run across nodes: the rendezvous store, the port, the other nodes' graders
+(the package :mod:`grader.nodes` says how a run across nodes goes)."""
 
 from __future__ import annotations
 
 import contextlib
-import io
 import socket
-import tarfile
 import threading
 import time
 from collections.abc import Callable
-from datetime import timedelta
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Any
 
 from grader import protocol, wire
-from grader.commands.options import Nodes, NodesError
-from grader.launch import channel
-from grader.launch.channel import Sealed, connect
+from grader.nodes import JOIN_SECONDS, Nodes, NodesError, channel
+from grader.nodes.channel import Sealed
 from grader.wire import Frame
 
-__all__ = ["Head", "connect", "join_head", "node_key", "pack_folder", "unpack_folder"]
-
-JOIN_SECONDS = 600.0  # how long the head waits for the other nodes, and they for the head
-_PORT_KEY = "grader/port"
+PORT_KEY = "grader/port"
 
 # What serves a rank's connection for the current job: Broker.serve (a Sealed reads like a
 # socket).
 Serve = Callable[[int, Sealed, bool], None]
 
 
-def node_key() -> bytes:
-    from grader.course.secret import derive
+@dataclass(frozen=True)
+class _Job:
+    """The job whose ranks may connect now: every node runs ``per_node`` of them."""
 
-    return derive("grader nodes")
+    id: str
+    per_node: int
+    serve: Serve
 
 
 def _cut(sock: socket.socket) -> None:
@@ -94,13 +58,13 @@ class Head:
             raise NodesError(f"cannot host the rendezvous at {nodes.endpoint}: {err}") from None
         self._listener = socket.create_server(("", 0))
         self.address = f"{nodes.host}:{self._listener.getsockname()[1]}"
-        self._store.set(_PORT_KEY, str(self._listener.getsockname()[1]))
+        self._store.set(PORT_KEY, str(self._listener.getsockname()[1]))
         self._cv = threading.Condition()
         self._links: dict[int, Sealed] = {}
         self.levels: dict[int, str] = {}  # the sandbox level each node that is ready applies
         self._gone: dict[int, str] = {}  # why a node went; -1: a session was tampered with
         self._refused_proofs = 0
-        self._job: tuple[str, int, Serve] | None = None  # id, ranks per node, its broker
+        self._job: _Job | None = None
         self._finished = False
         threading.Thread(target=self._accept, daemon=True).start()
 
@@ -133,7 +97,7 @@ class Head:
     def start_job(self, job_id: str, per_node: int, serve: Serve) -> None:
         """Ranks of ``job_id`` may connect now; every node starts its agent for it."""
         with self._cv:
-            self._job = (job_id, per_node, serve)
+            self._job = _Job(job_id, per_node, serve)
             for node, link in self._links.items():
                 if node in self.levels:  # a node not ready yet gets it when it is
                     self._send_job(link)
@@ -154,9 +118,8 @@ class Head:
         del self._store
 
     def _send_job(self, link: Sealed) -> None:
-        if self._job is not None:
-            job_id, per_node, _ = self._job
-            self._send(link, Frame({"type": protocol.JOB, "id": job_id, "per_node": per_node}))
+        if (job := self._job) is not None:
+            self._send(link, Frame({"type": protocol.JOB, "id": job.id, "per_node": job.per_node}))
 
     def _send(self, link: Sealed, frame: Frame) -> None:
         with contextlib.suppress(OSError):  # the link's reader sees it end, and says so
@@ -205,13 +168,13 @@ class Head:
             current = self._job
         if (
             current is None
-            or job != current[0]
+            or job != current.id
             or not isinstance(rank, int)
             or not 0 <= rank < self.world_size
         ):
             sock.close()  # a rank of a job that is over, or of none
             return
-        current[2](rank, sock, True)
+        current.serve(rank, sock, True)
 
     def _serve_node(self, sock: Sealed, node: Any) -> None:
         with self._cv:
@@ -251,45 +214,3 @@ class Head:
                 self.levels[node] = level
                 self._send_job(sock)  # joined late: it starts the current job too
             self._cv.notify_all()
-
-
-# -- a node that lends ranks -----------------------------------------------------------------
-
-
-def join_head(nodes: Nodes, key: bytes, timeout: float = JOIN_SECONDS) -> tuple[Sealed, str]:
-    """This node's grader, connected to the head (which may start after it), and the head's
-    port, where this node's relays connect too."""
-    import torch.distributed as dist
-
-    deadline = time.monotonic() + timeout
-    while True:  # quietly: torch's store client prints a trace for every failed try
-        try:
-            socket.create_connection((nodes.host, nodes.port), timeout=5).close()
-            break
-        except OSError:
-            if time.monotonic() > deadline:
-                raise NodesError(
-                    f"no head at {nodes.endpoint} within {timeout:.0f} s: start node 0 "
-                    "(`grader run ... --node-rank 0`) there"
-                ) from None
-            time.sleep(0.5)
-    store = dist.TCPStore(nodes.host, nodes.port, is_master=False, timeout=timedelta(seconds=60))
-    port = store.get(_PORT_KEY).decode()
-    del store
-    address = f"{nodes.host}:{port}"
-    return connect(address, key, {"role": "node", "node": nodes.rank}), address
-
-
-# -- the submission, as it travels to the other nodes ------------------------------------------
-
-
-def pack_folder(folder: Path) -> bytes:
-    buffer = io.BytesIO()
-    with tarfile.open(fileobj=buffer, mode="w:gz") as archive:
-        archive.add(folder, arcname=folder.name)
-    return buffer.getvalue()
-
-
-def unpack_folder(data: bytes, into: Path) -> None:
-    with tarfile.open(fileobj=io.BytesIO(data), mode="r:gz") as archive:
-        archive.extractall(into, filter="data")

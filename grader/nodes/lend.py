@@ -2,7 +2,7 @@
 
     grader run --nnodes 2 --node-rank 1 --rdzv-endpoint HEAD:29400
 
-It joins the head (:mod:`grader.launch.nodes`), receives the staged
+It joins the head (:mod:`grader.nodes.head`), receives the staged
 submission, and then, for each job the head starts, starts this node's
 torchrun agent in the job's rendezvous, with every rank relaying to the
 head's broker. It grades nothing: the head writes the results. It ends its
@@ -18,15 +18,19 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import socket
 import sys
 import tempfile
+import time
+from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 
 from grader import protocol, sandbox, wire
-from grader.commands.options import Nodes, NodesError
-from grader.grading import job_settings
-from grader.launch.job import JobSettings, TorchrunJob, node_job
-from grader.launch.nodes import join_head, node_key, unpack_folder
+from grader.launch.job import JobSettings, TorchrunJob, job_settings, node_job
+from grader.nodes import JOIN_SECONDS, Nodes, NodesError, node_key, unpack_folder
+from grader.nodes.channel import Sealed, connect
+from grader.nodes.head import PORT_KEY
 from grader.sandbox import identity as uids
 from grader.wire import Frame
 
@@ -53,6 +57,30 @@ def node_level(own: sandbox.Level, asked: object) -> sandbox.Level:
     return own if wanted is own else sandbox.detect(wanted.value)
 
 
+def join_head(nodes: Nodes, key: bytes, timeout: float = JOIN_SECONDS) -> tuple[Sealed, str]:
+    """This node's grader, connected to the head (which may start after it), and the head's
+    port, where this node's relays connect too."""
+    import torch.distributed as dist
+
+    deadline = time.monotonic() + timeout
+    while True:  # quietly: torch's store client prints a trace for every failed try
+        try:
+            socket.create_connection((nodes.host, nodes.port), timeout=5).close()
+            break
+        except OSError:
+            if time.monotonic() > deadline:
+                raise NodesError(
+                    f"no head at {nodes.endpoint} within {timeout:.0f} s: start node 0 "
+                    "(`grader run ... --node-rank 0`) there"
+                ) from None
+            time.sleep(0.5)
+    store = dist.TCPStore(nodes.host, nodes.port, is_master=False, timeout=timedelta(seconds=60))
+    port = store.get(PORT_KEY).decode()
+    del store
+    address = f"{nodes.host}:{port}"
+    return connect(address, key, {"role": "node", "node": nodes.rank}), address
+
+
 def lend_ranks(nodes: Nodes, sandbox_request: str = "auto") -> int:
     """Serve the head's jobs until grading is over; 0 then, 2 if the run broke."""
     key = node_key()
@@ -77,7 +105,7 @@ def lend_ranks(nodes: Nodes, sandbox_request: str = "auto") -> int:
             wire.send_frame(link, Frame({"type": protocol.REFUSE, "message": str(err)}))
         return _fail(str(err))
     work = Path(tempfile.mkdtemp(prefix="grader-node-")).resolve()
-    job: tuple[TorchrunJob, Path] | None = None
+    job: _NodeJob | None = None
     identity = uids.reserve() if os.geteuid() == 0 and sys.platform == "linux" else None
     try:
         work.chmod(0o711)
@@ -90,7 +118,7 @@ def lend_ranks(nodes: Nodes, sandbox_request: str = "auto") -> int:
         )
         while (frame := wire.recv_frame(link)) is not None:
             if job is not None:
-                _end(job)
+                job.end()
                 job = None
             if frame.header["type"] == protocol.FINISH:
                 print(f"node {nodes.rank}: grading is over", flush=True)
@@ -102,27 +130,32 @@ def lend_ranks(nodes: Nodes, sandbox_request: str = "auto") -> int:
         return _fail(f"lost the head at {nodes.endpoint}: {err}")
     finally:
         if job is not None:
-            _end(job)
+            job.end()
         shutil.rmtree(work, ignore_errors=True)
         if identity is not None:  # this node's own uids: their processes end, nobody else's
             identity.release()
 
 
-def _start(
-    settings: JobSettings, nodes: Nodes, header: dict, address: str, key: bytes
-) -> tuple[TorchrunJob, Path]:
+@dataclass(frozen=True)
+class _NodeJob:
+    """This node's share of one of the head's jobs: its torchrun agent and its ranks' sockets."""
+
+    torchrun: TorchrunJob
+    socket_dir: Path
+
+    def end(self) -> None:
+        self.torchrun.kill()
+        shutil.rmtree(self.socket_dir, ignore_errors=True)
+
+
+def _start(settings: JobSettings, nodes: Nodes, header: dict, address: str, key: bytes) -> _NodeJob:
     job_id = protocol.clean(header.get("id", ""), 40)
     per_node = protocol.field_int(header, "per_node", 1, 1024)
     job, socket_dir = node_job(
         settings, settings.work_dir / job_id, nodes, job_id, per_node, address, key
     )
     job.start()
-    return job, socket_dir
-
-
-def _end(job: tuple[TorchrunJob, Path]) -> None:
-    job[0].kill()
-    shutil.rmtree(job[1], ignore_errors=True)
+    return _NodeJob(job, socket_dir)
 
 
 def _fail(message: str) -> int:

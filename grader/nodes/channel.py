@@ -42,7 +42,7 @@ from collections.abc import Callable
 from typing import Any, NoReturn
 
 from grader import protocol, wire
-from grader.commands.options import NodesError
+from grader.nodes import NodesError
 from grader.wire import Frame
 
 HANDSHAKE_SECONDS = 10.0

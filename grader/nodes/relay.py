@@ -4,7 +4,7 @@ The rank's sandbox has no network: the rank speaks to a Unix socket, as on
 one machine. The relay, outside the sandbox, connects to the head once the
 rank has connected to it (so that "connected" means the same as on one
 machine: the rank is up), it and the head prove themselves to each other
-(:func:`grader.launch.channel.connect`), and it passes frames both ways
+(:func:`grader.nodes.channel.connect`), and it passes frames both ways
 unchanged, in the session's sealed records. It adds what only it knows: how the
 rank's process ended (``exited``), and that the rank's bytes broke the format
 (``broken``). A frame of those types from the rank is renamed on the way, so
@@ -24,8 +24,8 @@ import threading
 from collections.abc import Callable
 
 from grader import protocol, wire
-from grader.commands.options import NodesError
-from grader.launch.channel import Sealed, connect
+from grader.nodes import NodesError
+from grader.nodes.channel import Sealed, connect
 from grader.protocol import RankExit
 from grader.wire import Frame
 
