@@ -4,6 +4,11 @@ A rank is who its socket says: each has a Unix socket of its own, bound into
 its sandbox alone, which accepts one connection; a rank on another node
 reaches :meth:`Connections.serve` through its trusted relay. Every frame read
 is handed, under the lock, to the broker's rules (:class:`grader.broker.server.Broker`).
+
+The lock's condition is the pool's one event path: a frame handled, a rank's connection
+ended, a relay's word of how its rank ended, and, from outside, the job's end
+(:meth:`Connections.end_job`: its torchrun exited, a node went) each notify it, and
+whoever waits on the job waits there, with no poll.
 """
 
 from __future__ import annotations
@@ -26,6 +31,14 @@ class Connections(ABC):
         self._cv = threading.Condition()
         self._ranks = [RankState(r) for r in range(world_size)]
         self._listeners: list[socket.socket] = []
+        self.ended: str | None = None  # why the job as a whole ended, once it did
+
+    def end_job(self, why: str) -> None:
+        """The job cannot go on (its torchrun exited, a node went): wake whoever waits."""
+        with self._cv:
+            if self.ended is None:
+                self.ended = why
+            self._cv.notify_all()
 
     def listen_unix(self, socket_dir: Path) -> None:
         """One Unix socket per rank in ``socket_dir``: the ranks of this machine."""

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict, deque
-from collections.abc import Callable
 from typing import Any
 
 from grader import protocol, wire
@@ -85,19 +84,38 @@ class Broker(Connections):
                 state.start_call(gates[state.rank] if gates else [])
                 self._send(state.rank, frame)
 
-    def wait_call(self, deadline: float, alive: Callable[[], bool]) -> bool:
-        """Wait until every rank returned, a rank died, or the deadline; True if all returned."""
+    def wait_connected(self, deadline: float) -> bool:
+        """Wait until every rank connected (True), or a rank died, the job ended, or the
+        deadline passed."""
+        with self._cv:
+            while not self._stopped():
+                if all(r.sock is not None for r in self._ranks):
+                    return True
+                if not self._cv.wait(max(0.0, deadline - time.monotonic())):
+                    return False
+            return False
+
+    def wait_call(self, deadline: float) -> bool:
+        """Wait until every rank returned, a rank died, the job ended, or the deadline; True
+        if all returned."""
         with self._cv:
             while True:
                 if all(r.outcome is not None for r in self._ranks[: self.active]):
                     self._check_leftovers()
                     return True
-                if any(not r.alive for r in self._ranks) or not alive():
+                if self._stopped() or not self._cv.wait(max(0.0, deadline - time.monotonic())):
                     return False
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    return False
-                self._cv.wait(min(remaining, 0.1))
+
+    def wait_ended(self, ranks: list[int], deadline: float) -> None:
+        """Wait until the end of each of ``ranks`` is on record (its relay said how it ended,
+        or the job ended, and with it every rank's wrapper), or the deadline."""
+        with self._cv:
+            while self.ended is None and not all(r in self.exits for r in ranks):
+                if not self._cv.wait(max(0.0, deadline - time.monotonic())):
+                    return
+
+    def _stopped(self) -> bool:
+        return self.ended is not None or any(not r.alive for r in self._ranks)
 
     def outcomes(self) -> list[Returned | RankError | None]:
         with self._cv:

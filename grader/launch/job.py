@@ -155,6 +155,11 @@ class TorchrunJob:
     def running(self) -> bool:
         return self._process is not None and self._process.poll() is None
 
+    def wait(self) -> int:
+        """Until torchrun exits (after :meth:`start`); its exit status."""
+        assert self._process is not None, "the job was not started"
+        return self._process.wait()
+
     def kill(self) -> None:
         """End torchrun and every process it started; idempotent."""
         if self._process is None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import itertools
 import shutil
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -51,6 +52,7 @@ if TYPE_CHECKING:
     from grader.nodes.head import Head
 
 _START_SECONDS = 120.0  # torch's import on a loaded laptop, times every rank
+_END_SECONDS = 5.0  # a rank died: torchrun's agent ends the others and exits (0.1 s checks)
 
 
 @dataclass
@@ -150,7 +152,7 @@ class RankPool:
             frames.append(Frame(header, buffers))
         started = time.monotonic()
         job.broker.start_call(frames, limits.forbid_collectives, [list(g) for g in gates])
-        finished = job.broker.wait_call(started + limits.timeout, job.job.running)
+        finished = job.broker.wait_call(started + limits.timeout)
         seconds = time.monotonic() - started
         if not finished:
             self._stop_job(job, part, seconds, case)
@@ -192,20 +194,18 @@ class RankPool:
                 self.settings, job_dir, head.nodes, job_id, per_node, head.address, head.key
             )
         job.start()
-        deadline = time.monotonic() + _START_SECONDS
-        while len(broker.connected()) < self.size:
+        threading.Thread(target=_watch, args=(job, broker), daemon=True).start()
+        if head is not None:
+            head.watch(broker.end_job)
+        if not broker.wait_connected(time.monotonic() + _START_SECONDS):
             failure = head.problem() if head is not None else None
-            if failure is None and (
-                not job.running() or broker.dead() or time.monotonic() > deadline
-            ):
+            if failure is None:
                 reason = _first_words(job_dir, broker, self.size) or log_tail(job_dir, 3)
                 failure = f"the grader could not start a job of {self.size} ranks: {reason}"
-            if failure is not None:
-                job.kill()
-                broker.close()
-                shutil.rmtree(socket_dir, ignore_errors=True)
-                raise failures.GraderFailure(failure)
-            time.sleep(0.02)
+            job.kill()
+            broker.close()
+            shutil.rmtree(socket_dir, ignore_errors=True)
+            raise failures.GraderFailure(failure)
         return _Job(job, broker, job_dir, socket_dir)
 
     def _stop_job(self, job: _Job, part: str, seconds: float, case: str) -> None:
@@ -214,8 +214,8 @@ class RankPool:
         importing = broker.importing()
         dead = broker.dead()
         report: Stopped
-        if dead or not job.job.running():
-            time.sleep(0.2)  # let the exit statuses land
+        if dead or broker.ended is not None:
+            broker.wait_ended(dead or list(range(self.size)), time.monotonic() + _END_SECONDS)
             head = self.settings.head
             exits = {r: _ended(head, broker, job.job_dir, r) for r in dead or range(self.size)}
             self._check_nodes(exits)
@@ -254,6 +254,12 @@ class RankPool:
             self._job.broker.close()
             shutil.rmtree(self._job.socket_dir, ignore_errors=True)
             self._job = None
+
+
+def _watch(job: TorchrunJob, broker: Broker) -> None:
+    """The job's torchrun exiting is an event of the broker's, as a rank's end is."""
+    code = job.wait()
+    broker.end_job(f"torchrun exited with status {code}")
 
 
 def _first_words(job_dir: Path, broker: Broker, size: int) -> str:

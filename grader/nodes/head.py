@@ -65,6 +65,7 @@ class Head:
         self._gone: dict[int, str] = {}  # why a node went; -1: a session was tampered with
         self._refused_proofs = 0
         self._job: _Job | None = None
+        self._watcher: Callable[[str], None] | None = None  # the current job's broker
         self._finished = False
         threading.Thread(target=self._accept, daemon=True).start()
 
@@ -88,6 +89,23 @@ class Head:
                         f"{timeout:.0f} s: run `grader run --nnodes {self.nodes.count} "
                         f"--node-rank R --rdzv-endpoint {self.nodes.endpoint}` on each{hint}"
                     )
+
+    def watch(self, gone: Callable[[str], None]) -> None:
+        """Call ``gone(why)`` when the run cannot go on across nodes (at once if it cannot
+        already): the current job's broker hears of a node's end as of a rank's."""
+        with self._cv:
+            self._watcher = gone
+            self._tell()
+
+    def _went(self, node: int, why: str) -> None:
+        """Node ``node`` went (-1: a session was tampered with), under the lock."""
+        self._gone.setdefault(node, why)
+        self._tell()
+        self._cv.notify_all()
+
+    def _tell(self) -> None:
+        if self._watcher is not None and (why := self.problem()) is not None:
+            self._watcher(why)
 
     def problem(self) -> str | None:
         """Why the run cannot go on across nodes (a node refused or went), if it cannot."""
@@ -160,8 +178,7 @@ class Head:
     def _tampered(self, why: str) -> None:
         """A session's record failed its check: the run cannot be trusted, and ends."""
         with self._cv:
-            self._gone.setdefault(-1, why)
-            self._cv.notify_all()
+            self._went(-1, why)
 
     def _serve_rank(self, sock: Sealed, job: Any, rank: Any) -> None:
         with self._cv:
@@ -198,7 +215,7 @@ class Head:
         with self._cv:
             del self._links[node]
             if not self._finished:
-                self._gone.setdefault(node, said)
+                self._went(node, said)
             self._cv.notify_all()
 
     def _ready(self, sock: Sealed, node: int, level: Any) -> None:
@@ -209,7 +226,7 @@ class Head:
                 return
             if level != asked:  # a node lowers no level, and raises none the head did not ask
                 said = protocol.clean(level, 20)
-                self._gone.setdefault(node, f"node {node} applies sandbox {said!r}, not {asked!r}")
+                self._went(node, f"node {node} applies sandbox {said!r}, not {asked!r}")
             else:
                 self.levels[node] = level
                 self._send_job(sock)  # joined late: it starts the current job too

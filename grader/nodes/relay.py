@@ -64,18 +64,22 @@ class Relay:
         return code
 
     def _accept_worker(self) -> socket.socket | None:
-        """The rank's connection; None if its process ended before it connected."""
-        self.listener.settimeout(0.2)
-        while True:
-            try:
-                worker, _ = self.listener.accept()
-            except TimeoutError:
-                if self.child.poll() is not None:
-                    return None
-                continue
+        """The rank's connection; None if its process ended before it connected (the
+        process's end wakes the accept: no poll)."""
+
+        def wake_on_exit() -> None:
+            self.child.wait()
+            with contextlib.suppress(OSError):  # accepted already: nothing to wake
+                self.listener.shutdown(socket.SHUT_RDWR)
+
+        threading.Thread(target=wake_on_exit, daemon=True).start()
+        try:
+            worker, _ = self.listener.accept()
+        except OSError:
+            return None
+        finally:
             self.listener.close()  # one connection: the rank's
-            worker.settimeout(None)
-            return worker
+        return worker
 
     def _up(self, worker: socket.socket, broker: Sealed) -> None:
         try:
