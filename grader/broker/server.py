@@ -24,43 +24,35 @@ a rank can have used what it received, which is what the replays of
 :mod:`grader.judge.replay` rest on.
 
 One thread reads each rank; all state is guarded by one lock. Handlers are
-``rank_<type>`` methods, one per message type of :mod:`grader.protocol`.
+``rank_<type>`` methods, one per message type of :mod:`grader.protocol`; the rules that
+match, compute and deliver a call's operations are :mod:`grader.broker.matching`'s.
 """
 
 from __future__ import annotations
 
 import time
-from collections import defaultdict, deque
-from typing import Any
 
 from grader import protocol, wire
-from grader.broker import collectives, faults
-from grader.broker.connections import Connections
+from grader.broker.matching import Matching
 from grader.broker.ops import (
     CollectiveCall,
     Gate,
     LimitExceeded,
     Limits,
-    Op,
-    Problem,
     RankState,
     Returned,
     check_payload,
-    nbytes,
 )
-from grader.broker.traffic import Event, GatePass, Traffic, Wait
+from grader.broker.traffic import Event, GatePass, Wait
 from grader.failures import Fault
-from grader.protocol import ProtocolError, RankError, RankExit, TensorMeta, clean, field_int
+from grader.protocol import ProtocolError, RankError, RankExit, clean, field_int
 from grader.wire import Frame
 
 
-class Broker(Connections):
+class Broker(Matching):
     def __init__(self, world_size: int, limits: Limits | None = None) -> None:
-        self.limits = limits or Limits()
-        super().__init__(world_size, self.limits.frame_bytes)
+        super().__init__(world_size, limits or Limits())
         self.exits: dict[int, RankExit] = {}  # what the relays of ranks on other nodes said
-        self.active = world_size  # the ranks of the current call: 0..active-1
-        self._reset_call()
         self.forbid_collectives = False
 
     # -- what the grader asks --------------------------------------------------------------
@@ -296,178 +288,3 @@ class Broker(Connections):
 
     def rank_failure(self, state: RankState, frame: Frame) -> None:
         self._finish(state, RankError.read(frame.header.get("error")))
-
-    # -- matching ------------------------------------------------------------------------------
-
-    def _op(self, state: RankState, frame: Frame, kind: str) -> Op:
-        if not state.running:
-            raise ProtocolError("an operation outside of any call")
-        state.count(self.limits)
-        header = frame.header
-        op = Op(
-            state.rank,
-            field_int(header, "op", 0),
-            kind,
-            -1,
-            field_int(header, "tag", -(1 << 31), 1 << 31) if "tag" in header else 0,
-            clean(header.get("at", ""), 200),
-            TensorMeta.read(header) if "dtype" in header else None,
-        )
-        if (state.rank, op.id) in self._ops:
-            raise ProtocolError("an operation id used twice")
-        self._ops[(state.rank, op.id)] = op
-        if kind in ("send", "recv"):
-            group = protocol.field_ranks(header, self.active)
-            peer = field_int(header, "peer")
-            op.peer = group[peer] if 0 <= peer < len(group) else -2 - peer
-            op.group, op.group_peer = group, peer
-        return op
-
-    def _check_peer(self, op: Op) -> bool:
-        group = op.group
-        if op.peer >= 0 and op.peer != op.rank:
-            return True
-        peer = op.group_peer
-        direction = "to" if op.kind == "send" else "from"
-        reason = (
-            "itself"
-            if op.peer == op.rank
-            else f"rank {peer}, but the group has ranks 0..{len(group) - 1}"
-        )
-        self._fault(
-            Fault.BAD_PEER,
-            f"rank {op.rank}: {op.kind} {direction} {reason} (at {op.at or '?'})",
-        )
-        self._refuse(op, f"{op.kind} {direction} {reason}")
-        return False
-
-    def _queue(self, queues: dict[tuple[int, int, int], deque[Op]], key: Any, op: Op) -> None:
-        queues[key].append(op)
-        op.event = len(self.traffic.per_rank[op.rank])
-        self.traffic.per_rank[op.rank].append(
-            Event(
-                op.kind,
-                op.peer,
-                nbytes(op.meta) if op.meta else 0,
-                op.tag,
-                payload=op.payload[0] if op.payload else b"",
-            )
-        )
-        sends, recvs = self._sends[key], self._recvs[key]
-        while sends and recvs:
-            self._match(sends.popleft(), recvs.popleft())
-
-    def _match(self, send: Op, recv: Op) -> None:
-        assert send.meta is not None and recv.meta is not None
-        size = len(send.payload[0])
-        expected = nbytes(recv.meta)
-        if send.meta.dtype != recv.meta.dtype or size != expected:
-            self._fault(
-                Fault.MISMATCH,
-                f"rank {send.rank} sent {size} bytes ({send.meta}) to rank {recv.rank} "
-                f"(at {send.at or '?'}), which posted a receive of {expected} bytes "
-                f"({recv.meta}) (at {recv.at or '?'})",
-            )
-            self._refuse(send, "the receive posted for this message has another size or dtype")
-            self._refuse(recv, "the message sent here has another size or dtype")
-            return
-        self._ranks[send.rank].buffered -= size  # the payload is the receiver's now
-        payload, send.payload = send.payload, []
-        self._complete(recv, payload)
-        self._complete(send, [])
-
-    def _run_collective(self, members: list[Op]) -> None:
-        try:
-            outputs = collectives.run(members)
-        except collectives.CollectiveError as err:
-            self._fault(Fault.DISAGREEMENT, str(err))
-            for member in members:
-                self._refuse(member, str(err))
-            return
-        finally:
-            for op in members:  # the inputs are consumed; the outputs are held until waited
-                self._ranks[op.rank].buffered -= sum(map(len, op.payload))
-                op.payload = []
-        for op, tensors in zip(members, outputs, strict=True):
-            self._complete(op, [wire.tensor_buffer(t) for t in tensors])
-
-    def _complete(self, op: Op, buffers: list[bytes]) -> None:
-        """The op succeeded. What it received reaches its rank when the rank waits for it."""
-        op.done = True
-        op.held = Frame({"type": protocol.DONE, "op": op.id}, buffers)
-        self._ranks[op.rank].buffered += sum(map(len, buffers))
-        if op.waited or op.kind == "send":
-            self._deliver(op)
-
-    def _refuse(self, op: Op, message: str) -> None:
-        op.done = op.refused = True
-        op.held = Frame({"type": protocol.REFUSED, "op": op.id, "message": message})
-        self._deliver(op)
-
-    def _deliver(self, op: Op) -> None:
-        """Hand the op's outcome to its rank, which runs again if it was blocked on it."""
-        frame, op.held = op.held, None
-        assert frame is not None
-        state = self._ranks[op.rank]
-        state.buffered -= sum(map(len, frame.buffers))
-        if op.rank < len(self.traffic.delivered):
-            self.traffic.delivered[op.rank] += sum(map(len, frame.buffers))
-        if state.blocked_on is op:
-            state.blocked_on = None
-        self._send(op.rank, frame)
-
-    def _hold(self, state: RankState, op: Op, size: int) -> bool:
-        """Keep ``size`` more bytes for ``state``'s rank; refuse ``op`` past the limit."""
-        state.buffered += size
-        if state.buffered <= self.limits.buffered_bytes:
-            return True
-        state.buffered -= size
-        limit = self.limits.buffered_bytes >> 20
-        self._fault(
-            Fault.LIMIT,
-            f"rank {state.rank}: the {op.describe()} would leave more than {limit} MiB of its "
-            "messages waiting in the grader (sent but not yet received, or received but "
-            "never waited for)",
-        )
-        self._refuse(op, f"more than {limit} MiB of messages waiting in the grader")
-        return False
-
-    # -- faults ----------------------------------------------------------------------------------
-
-    def _fault(self, kind: Fault, message: str) -> None:
-        self.problems.append(Problem(kind, clean(message)))
-
-    def _check_deadlock(self) -> None:
-        message = faults.deadlock(self._ranks[: self.active])
-        if message is not None:
-            self._fault(Fault.DEADLOCK, message)
-            for state in self._ranks[: self.active]:
-                if state.blocked_on is not None:
-                    self._refuse(state.blocked_on, "deadlock: no rank can make progress")
-
-    def _finish(self, state: RankState, outcome: Returned | RankError) -> None:
-        state.outcome = outcome
-        state.running = False
-        state.blocked_on = None
-        self._check_deadlock()
-
-    def _check_leftovers(self) -> None:
-        """At the end of a call: messages sent and never received, receives never matched."""
-        if self._leftovers_checked:
-            return
-        self._leftovers_checked = True
-        for op, message, reason in faults.leftovers(self._sends, self._recvs):
-            self._fault(Fault.UNRECEIVED, message)
-            self._refuse(op, reason)
-        for message in faults.never_waited(self._ops.values()):
-            self._fault(Fault.UNWAITED, message)
-
-    def _reset_call(self) -> None:
-        self.problems: list[Problem] = []
-        self.traffic = Traffic.empty(self.active)
-        self._sends: dict[tuple[int, int, int], deque[Op]] = defaultdict(deque)
-        self._recvs: dict[tuple[int, int, int], deque[Op]] = defaultdict(deque)
-        self._ops: dict[tuple[int, int], Op] = {}
-        self._collectives: dict[tuple[tuple[int, ...], int], dict[int, Op]] = {}
-        self._sequence: dict[tuple[int, tuple[int, ...]], int] = defaultdict(int)
-        self._leftovers_checked = False

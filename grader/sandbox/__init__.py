@@ -35,12 +35,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
-from typing import IO, NoReturn
+from typing import IO
 
 from grader.sandbox import syscall_filter
 
 __all__ = [
-    "GUARANTEES",
     "Level",
     "Sandbox",
     "SandboxError",
@@ -92,29 +91,6 @@ class Level(str, Enum):
     NAMESPACES = "namespaces"
     UID = "uid"
     NONE = "none"
-
-
-GUARANTEES: dict[Level, str] = {
-    Level.NAMESPACES: (
-        "Each rank runs as an unprivileged uid without capabilities, in its own mount, PID, "
-        "network, IPC and UTS namespaces: it sees a read-only system with the grader's "
-        "files masked, can "
-        "write only its scratch directory and small private tmpfs mounts, has a loopback "
-        "of its own and no other network, is capped in memory, and everything it started "
-        "dies when its parent dies."
-    ),
-    Level.UID: (
-        "Each rank runs as a dedicated unprivileged uid with capped memory, processes and "
-        "file sizes, in its own scratch directory with a cleared environment; it can read "
-        "what that uid's permissions allow (check with readable_by), can write "
-        "world-writable places such as /tmp and /dev/shm, shares the host's network, and "
-        "only kill_uid at job end stops the daemons it started."
-    ),
-    Level.NONE: (
-        "No isolation: student code runs as the grader's own user with its files, network "
-        "and memory; fit only for students grading their own work."
-    ),
-}
 
 
 def _base_flags(uid: int, gid: int) -> list[str]:
@@ -254,10 +230,6 @@ class Sandbox:
             for path in (self.scratch, *self.sockets):
                 os.chown(path, self.uid, self.gid)
 
-    def command(self, argv: Sequence[str]) -> list[str]:
-        """The argv to exec: ``bwrap ... -- argv`` for namespaces, ``argv`` otherwise."""
-        return self._command(argv)[0]
-
     def _command(self, argv: Sequence[str]) -> tuple[list[str], tuple[int, ...]]:
         """The argv, and the descriptors it needs inherited (bwrap's seccomp program)."""
         if self.level is Level.UID:
@@ -305,9 +277,8 @@ class Sandbox:
         return [bwrap, *flags, "--", *inner, *argv], (seccomp,)
 
     def pre_exec(self) -> None:
-        """In the process about to exec ``command()``: limits, then (``uid``) the drop.
-
-        Also fit for ``subprocess.Popen(preexec_fn=...)``. The process gets SIGKILL when
+        """In the process about to exec the sandboxed command (``Popen(preexec_fn=...)``):
+        limits, then (``uid``) the drop. The process gets SIGKILL when
         its parent (the rank's wrapper) dies, from before the exec on: bwrap's own
         ``--die-with-parent`` comes too late when the wrapper is killed while bwrap
         starts (seen here: an orphaned bwrap). For ``uid`` it is set after setuid,
@@ -333,13 +304,6 @@ class Sandbox:
             os.chdir(self.scratch)
             die_with(parent)
             syscall_filter.load(syscall_filter.program())  # last: for good, and for all it starts
-
-    def exec(self, argv: Sequence[str]) -> NoReturn:
-        """Become the sandboxed ``argv`` (the descriptors it needs are inheritable)."""
-        command = self.command(argv)
-        env = self.environment()
-        self.pre_exec()
-        os.execvpe(command[0], command, env)
 
     def popen(self, argv: Sequence[str], output: IO[bytes]) -> subprocess.Popen[bytes]:
         """Start the sandboxed ``argv``, its output (stdout and stderr) into ``output``:

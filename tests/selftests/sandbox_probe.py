@@ -113,16 +113,21 @@ elif mode == "daemon":
     time.sleep(60)
 """
 
-# The trusted wrapper: rebuilds the Sandbox from JSON and becomes the sandboxed command.
+# The trusted wrapper, as the rank's (grader.launch.sandboxed): dies with its parent, rebuilds
+# the Sandbox from JSON, starts the sandboxed command with its output (stdout and stderr) into
+# its own stdout, and exits with its status.
 WRAPPER = r"""
-import json, sys
+import json, os, sys
 from pathlib import Path
-from grader.sandbox import Level, Sandbox
+from grader.sandbox import Level, Sandbox, die_with
+die_with(os.getppid())  # the stand-in for torchrun
 spec = json.loads(sys.argv[1])
 argv = spec.pop("argv")
 for key in ("scratch", "hidden", "readable", "sockets"):
     spec[key] = Path(spec[key]) if key == "scratch" else tuple(map(Path, spec[key]))
-Sandbox(**{**spec, "level": Level(spec["level"])}).exec(argv)
+child = Sandbox(**{**spec, "level": Level(spec["level"])}).popen(argv, sys.stdout.buffer)
+code = child.wait()
+sys.exit(code if code >= 0 else 128 - code)
 """
 # Stands in for torchrun: starts one wrapper and waits.
 PARENT = (

@@ -38,7 +38,7 @@ from sandbox_probe import (
 )
 
 from grader import sandbox
-from grader.sandbox import GUARANTEES, Level, SandboxError, identity
+from grader.sandbox import Level, SandboxError, identity
 
 
 @pytest.fixture
@@ -114,8 +114,8 @@ def test_uid_level_confines_by_permissions(world: World) -> None:
     assert seen["uid"] == uid and not seen["leaked"]
     assert seen["shadow"] == "PermissionError" and seen["caps"] == "0000000000000000"
     assert seen["cwd"] == seen["home"] == str(world.base / "scratch")
-    # What this level does not do, as GUARANTEES says: /tmp is shared with the host.
-    assert seen["write_tmp"] == "ok" and "/tmp" in GUARANTEES[Level.UID]
+    # What this level does not do, as the README says: /tmp is shared with the host.
+    assert seen["write_tmp"] == "ok"
 
 
 @x86_64
@@ -153,11 +153,9 @@ def test_without_the_filter_a_lock_is_a_channel(world: World) -> None:
 
 def test_none_level_runs_as_is(world: World) -> None:
     box = world.sandbox(Level.NONE)
-    assert box.command(["true"]) == ["true"]
     seen = world.probe(box)
     assert seen["secret"] == "ANSWER = 42\n" and seen["uid"] == os.getuid()  # no isolation at all
     assert seen["write_scratch"] == "ok" and seen["unix"] == "pong:ping"
-    assert "No isolation" in GUARANTEES[Level.NONE]
 
 
 @pytest.mark.parametrize(
