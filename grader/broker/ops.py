@@ -24,10 +24,25 @@ class Problem:
 
 @dataclass(frozen=True)
 class Returned:
-    """What a rank's call returned, decoded and checked by :mod:`grader.wire`."""
+    """What a rank's call came to: its return value, its arguments as the call left them,
+    and the names of those it rebound rather than changed in place (decoded and checked by
+    :mod:`grader.wire`)."""
 
-    value: Any
+    returned: Any = None
+    args: tuple[Any, ...] = ()
     rebound: tuple[str, ...] = ()
+
+    @classmethod
+    def read(cls, header: dict[str, Any], buffers: list[bytes]) -> Returned:
+        """A result frame's content; ProtocolError unless it is ``{returned, args}``."""
+        value = wire.decode(header.get("value"), buffers)
+        if not isinstance(value, dict) or set(value) != {"returned", "args"}:
+            raise ProtocolError("a result that is not {returned, args}")
+        if not isinstance(value["args"], list):
+            raise ProtocolError("a result whose args are not a list")
+        rebound = header.get("rebound")
+        names = tuple(clean(r, 60) for r in rebound[:50]) if isinstance(rebound, list) else ()
+        return cls(value["returned"], tuple(value["args"]), names)
 
 
 @dataclass(frozen=True)

@@ -281,10 +281,7 @@ class Broker(Matching):
             self._check_deadlock()
 
     def rank_result(self, state: RankState, frame: Frame) -> None:
-        value = wire.decode(frame.header.get("value"), frame.buffers)
-        rebound = frame.header.get("rebound")
-        rebound = tuple(clean(r, 60) for r in rebound[:50]) if isinstance(rebound, list) else ()
-        self._finish(state, Returned(value, rebound))
+        self._finish(state, Returned.read(frame.header, frame.buffers))
 
     def rank_failure(self, state: RankState, frame: Frame) -> None:
         self._finish(state, RankError.read(frame.header.get("error")))

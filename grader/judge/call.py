@@ -100,12 +100,9 @@ def judge_finished(report: Finished, case: str) -> CallResult:
     returned = [o for o in outcomes if isinstance(o, Returned)]
     if len(returned) != report.size:
         raise failures.CommunicationError("a rank's operation was refused" + suffix, case)
-    values = [r.value for r in returned]
-    if not all(isinstance(v, dict) and isinstance(v.get("args"), list) for v in values):
-        raise failures.CommunicationError("a rank sent back a malformed result" + suffix, case)
     return CallResult(
-        [v.get("returned") for v in values],
-        [tuple(v["args"]) for v in values],
+        [r.returned for r in returned],
+        [r.args for r in returned],
         [r.rebound for r in returned],
         report.traffic,
         report.seconds,

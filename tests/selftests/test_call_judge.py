@@ -12,7 +12,7 @@ from grader.failures import Fault
 from grader.judge.call import Died, Finished, Stuck, judge_finished, judge_stopped
 from grader.protocol import RankError, RankExit
 
-OK = Returned({"args": [], "returned": 7})
+OK = Returned(returned=7)
 REFUSED = RankError(protocol.REFUSED_ERROR, "the broker refused the operation")
 
 

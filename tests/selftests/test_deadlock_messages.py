@@ -17,7 +17,7 @@ def waiting(rank: int, kind: str, peer: int) -> RankState:
 
 
 def returned(rank: int) -> RankState:
-    return RankState(rank, outcome=Returned({}))
+    return RankState(rank, outcome=Returned())
 
 
 def test_a_wait_on_a_returned_rank_says_what_it_never_sent() -> None:
