@@ -95,6 +95,16 @@ class Traffic:
             if e.peer < 0 and e.op != "mark" and (not names or e.op in names)
         ]
 
+    def split_at_gate(self, rank: int, label: str) -> tuple[list[Event], list[Event]] | None:
+        """The rank's operations before it passed the gate ``label``, and from it on (marks
+        left out); None if it never passed it."""
+        passed = next((g for g in self.gates[rank] if g.label == label), None)
+        if passed is None:
+            return None
+        events = self.per_rank[rank]
+        operations = [e for e in events[: passed.after] if e.op != "mark"]
+        return operations, [e for e in events[passed.after :] if e.op != "mark"]
+
     def marks(self, rank: int) -> list[tuple[int, str]]:
         """(position among the rank's events, label) of every mark the rank's scenario made."""
         return [(i, e.at) for i, e in enumerate(self.per_rank[rank]) if e.op == "mark"]

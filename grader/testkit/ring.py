@@ -2,9 +2,9 @@
 
 Every rule here reads the broker's record (:class:`grader.broker.traffic.Traffic`) and the
 bytes each message carried, against the blocks the trusted side drew: a message of the right
-size holding something else is a wrong message. The scenario's marks only say where the
-forward ends (everything after the first "backward" mark is the backward's); a mark a rank
-fakes can only move messages from one checked section to the other.
+size holding something else is a wrong message. The forward ends where the rank passed the
+gate "backward", which hands over the output's gradient: no message that needs it can come
+before (a causal fact of the broker's record, not a mark the rank posts).
 
 Ring attention (Liu et al. 2023): rank r sends only to r+1 and receives only from r-1; its
 forward sends exactly p-1 K/V blocks (K and V stacked in one message, or as two), the one
@@ -45,14 +45,8 @@ def kv_labels(full: dict[str, Tensor], n: int) -> dict[bytes, KV]:
 
 
 def sections(traffic: Traffic, rank: int) -> tuple[list[Event], list[Event]] | None:
-    """The rank's operations before the first "backward" mark, and from it on."""
-    events = traffic.per_rank[rank]
-    at = next((i for i, label in traffic.marks(rank) if label == "backward"), None)
-    if at is None:
-        return None
-    keep = [e for e in events if e.op != "mark"]
-    split = sum(e.op != "mark" for e in events[:at])
-    return keep[:split], keep[split:]
+    """The rank's operations before it passed the gate "backward", and from it on."""
+    return traffic.split_at_gate(rank, "backward")
 
 
 def forward_blocks(events: list[Event], labels: dict[bytes, KV]) -> tuple[list[int], str | None]:
@@ -205,7 +199,7 @@ def _ulysses_problem(
         return f"it called {others[0]}: Ulysses needs all-to-alls only"
     parts = sections(traffic, r)
     if parts is None:
-        return "the grader's mark between the forward and the backward is missing"
+        return "it never reached the grader's gate between the forward and the backward"
     size = p * piece * mine["q"].element_size()
     for phase, events, carried in (
         ("forward", parts[0], ("q", "k", "v")),

@@ -34,6 +34,7 @@ from torch import Tensor
 
 from grader.testkit import (
     CallResult,
+    Gate,
     TestOptions,
     TestRecord,
     World,
@@ -107,11 +108,10 @@ def run(world: World, function: str, case: Case, key: str, full: dict | None = N
     def mine(name: str, r: int) -> Tensor:
         return full[name][:, :, r * n : (r + 1) * n].contiguous()
 
-    args = [
-        (function, mine("q", r), mine("k", r), mine("v", r), case.causal, mine("grad", r))
-        for r in range(p)
-    ]
-    out = world.call(scenario="context_parallel.attention", args=args, case=key)
+    args = [(function, mine("q", r), mine("k", r), mine("v", r), case.causal) for r in range(p)]
+    # The output's gradient is handed over at the gate "backward", after the forward.
+    gates = [[Gate.handing("backward", mine("grad", r))] for r in range(p)]
+    out = world.call(scenario="context_parallel.attention", args=args, case=key, gates=gates)
     oracle = attention(full["q"], full["k"], full["v"], full["grad"], case.causal)
     return Run(p, n, case, full, out, oracle)
 

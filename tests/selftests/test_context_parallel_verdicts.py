@@ -180,3 +180,15 @@ def test_all_gathered_kv_fails_the_ring_communication_only(grade) -> None:
         "rank 0: ring_attention on 2 ranks: it called all_gather: the ring passes the K/V "
         "blocks with messages only"
     )
+
+
+def test_a_gate_passed_early_moves_the_whole_forward_after_it(grade) -> None:
+    """The attack on the forward's end: the rank passes the gate "backward" itself, first,
+    and answers the scenario's own pass from what it got. Its results are right, but every
+    message of its forward now lies after the gate, where the broker saw it: no K/V block
+    was passed on in the forward, and the communication test says so."""
+    graded = grade("cp_early_gate", PART, k="ring_attention", world_sizes=(2,))
+    expect_only(graded, {("ring_attention_communication", 2): "failed"})
+    message = graded.message("ring_attention_communication", 2)
+    assert message.startswith("rank 0: ring_attention on 2 ranks: "), message
+    assert "forward" in message, message

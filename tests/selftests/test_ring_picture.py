@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 from rich.console import Console
 
+from grader.broker.traffic import GatePass
 from grader.report.ring import terminal_table, write_png
 from grader.testkit import Event, Traffic, Work
 from grader.testkit.ring import ring_messages, ring_steps
@@ -36,12 +37,12 @@ def record(p: int, full: dict[str, torch.Tensor], owners: list[list[int]]) -> Tr
     traffic = Traffic.empty(p)
     for r in range(p):
         events = traffic.per_rank[r]
-        events.append(Event("mark", -1, 0, at="forward"))
         for owner in owners[r]:
             payload = kv(full, owner)
             events.append(Event("send", (r + 1) % p, len(payload), payload=payload))
             events.append(Event("recv", (r - 1) % p, len(payload)))
-        events += [Event("mark", -1, 0, at="backward"), Event("mark", -1, 0, at="end")]
+        # The gate that hands over the output's gradient ends the forward.
+        traffic.gates[r].append(GatePass("backward", True, len(events)))
     return traffic
 
 
