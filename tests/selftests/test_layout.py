@@ -17,9 +17,6 @@ MAX_LINES = 400
 # Modules over MAX_LINES today, each at most its present length: the list only shrinks.
 OVER = {
     "grader/broker/server.py": 455,
-    "tests/graded/test_data_parallel.py": 435,
-    "tests/graded/test_fully_sharded.py": 450,
-    "tests/graded/test_tensor_parallel.py": 483,
 }
 
 
