@@ -49,10 +49,6 @@ class Connections(ABC):
             self._listeners.append(listener)
             threading.Thread(target=self._accept, args=(rank, listener), daemon=True).start()
 
-    def connected(self) -> list[int]:
-        with self._cv:
-            return [r.rank for r in self._ranks if r.sock is not None and r.alive]
-
     def dead(self) -> list[int]:
         with self._cv:
             return [r.rank for r in self._ranks if not r.alive]

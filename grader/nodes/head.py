@@ -37,9 +37,6 @@ def _cut(sock: socket.socket) -> None:
         sock.shutdown(socket.SHUT_RDWR)
 
 
-# -- the head --------------------------------------------------------------------------------
-
-
 class Head:
     """Node 0's side: the rendezvous store, the port, the other nodes' graders."""
 

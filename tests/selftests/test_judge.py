@@ -92,9 +92,7 @@ def broker(tmp_path: Path):
     broker = Broker(2)
     broker.listen_unix(tmp_path)
     ranks = [FakeRank(tmp_path, r) for r in range(2)]
-    deadline = time.monotonic() + 5
-    while len(broker.connected()) < 2 and time.monotonic() < deadline:
-        time.sleep(0.01)
+    assert broker.wait_connected(time.monotonic() + 5)
     call = Frame({"type": protocol.CALL, "call": 1, "function": "x.y", "args": {}})
     broker.start_call([call, call], forbid_collectives=True)
     yield broker, ranks
@@ -187,7 +185,7 @@ def test_a_rank_that_floods_the_grader_is_stopped_at_the_limit(tmp_path: Path) -
     broker = Broker(2, Limits(buffered_bytes=1000, operations=50))
     broker.listen_unix(tmp_path)
     zero, one = (FakeRank(tmp_path, r) for r in range(2))
-    settle(broker, lambda: len(broker.connected()) == 2)
+    assert broker.wait_connected(time.monotonic() + 5)
     call = Frame({"type": protocol.CALL, "call": 1, "function": "x.y", "args": {}})
     broker.start_call([call, call], forbid_collectives=True)
     for op in range(1, 4):  # 3 x 400 bytes that nobody receives
