@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from grader.scenarios import mark
+from grader.scenarios import gate
 
 
 def linear(weight: Tensor, bias: Tensor) -> nn.Linear:
@@ -147,23 +147,24 @@ def mlp_forward_backward(
     student: ModuleType,
     fc1: tuple[Tensor, Tensor],
     fc2: tuple[Tensor, Tensor],
-    x: Tensor,
-    grad: Tensor,
+    shape: tuple[int, ...],
 ) -> dict:
-    """``ParallelMLP.from_linears(fc1, fc2)`` run on ``x``, with its layers' gradients.
+    """``ParallelMLP.from_linears(fc1, fc2)`` run on the input (of ``shape``) that the gate
+    "forward" hands over, then backward of the output's gradient that the gate "backward"
+    hands over: the output and the layers' gradients.
 
-    The broker's trace gets a mark before the forward, the backward and after both, so
-    the communication test can tell which phase an operation belongs to.
+    Nothing the forward computes can exist before the rank passed the first gate, nor
+    anything the backward computes before the second: the broker's record of where the rank
+    passed them splits its operations into the MLP's forward and its backward.
     """
     mlp = student.ParallelMLP.from_linears(linear(*fc1), linear(*fc2))
     column = _find(mlp, student.ColumnParallelLinear)
     row = _find(mlp, student.RowParallelLinear)
-    mark("forward")
-    y = mlp(x.requires_grad_())
-    mark("backward")
+    x = gate("forward").to(fc1[0].dtype).view(shape).requires_grad_()
+    y = mlp(x)
+    grad = gate("backward").to(fc2[0].dtype).view(shape)
     if isinstance(y, Tensor) and y.shape == grad.shape:  # else the test names the shape
         y.backward(grad)
-    mark("end")
     return {
         "has_column": column is not None,
         "has_row": row is not None,

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from grader import failures
+from grader.broker.ops import Gate
 from grader.broker.traffic import Event
 from grader.judge.call import CallResult
 from grader.launch.world import World
@@ -144,8 +145,10 @@ def mlp_call(world: World) -> tuple[dict[str, Tensor], Tensor, Tensor, CallResul
             check_shard(seen, full, layer, world.size, r, f"ParallelMLP.from_linears: {role}")
 
     on_every_rank(world.size, check)
-    args = [((w1, b1), (w2, b2), x, grad) for _ in range(world.size)]
-    out = world.call(scenario="tensor_parallel.mlp_forward_backward", args=args)
+    args = [((w1, b1), (w2, b2), tuple(x.shape)) for _ in range(world.size)]
+    # The input is handed over at the gate "forward", the output's gradient at "backward".
+    gates = [[Gate.handing("forward", x), Gate.handing("backward", grad)]] * world.size
+    out = world.call(scenario="tensor_parallel.mlp_forward_backward", args=args, gates=gates)
     return {"w1": w1, "b1": b1, "w2": w2, "b2": b2}, x, grad, out
 
 
@@ -157,21 +160,19 @@ def phase_operations(out: CallResult, rank: int) -> dict[str, Counter]:
 def phase_events(out: CallResult, rank: int) -> dict[str, list[Event]]:
     """The operations the broker carried for ``rank`` in the MLP's forward and its backward.
 
-    The operations, their names and their count are the broker's own record (trusted);
-    where the forward ends and the backward begins comes from the marks the rank's
-    scenario posted around ``mlp(x)`` and ``y.backward()``.
+    The operations, their names and their count are the broker's own record; so is where
+    the rank passed the gates that hand over the input ("forward") and the output's gradient
+    ("backward"): no operation that needs either can come before its gate.
     """
-    events = out.traffic.per_rank[rank]
-    at = {label: i for i, label in out.traffic.marks(rank)}
+    traffic = out.traffic
+    started = traffic.split_at_gate(rank, "forward")
+    backward = traffic.split_at_gate(rank, "backward")
     require(
-        {"forward", "backward", "end"} <= set(at),
-        f"rank {rank}: the grader's marks around the MLP's forward and backward are missing",
+        started is not None and backward is not None,
+        f"rank {rank}: it never reached the grader's gates around the MLP's forward and backward",
     )
-    phases = {"forward": (at["forward"], at["backward"]), "backward": (at["backward"], at["end"])}
-    return {
-        phase: [e for e in events[start + 1 : stop] if e.op != "mark"]
-        for phase, (start, stop) in phases.items()
-    }
+    forward = backward[0][len(started[0]) :]
+    return {"forward": forward, "backward": backward[1]}
 
 
 def partial_sums(full: dict[str, Tensor], x: Tensor, grad: Tensor, p: int, r: int) -> dict:

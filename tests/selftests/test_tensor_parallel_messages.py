@@ -98,3 +98,16 @@ def test_a_rank_holding_another_ranks_shard_is_told_whose(grade) -> None:
         assert message.startswith("rank 0: "), message
         assert ".weight holds rank 1's shard, not rank 0's" in message
         assert "dist.get_rank(group)" in message
+
+
+def test_a_gate_passed_early_moves_the_forward_all_reduce_after_it(grade) -> None:
+    """The attack on the forward's end: the MLP passes the gate "backward" itself, before its
+    all-reduce, and answers the scenario's own pass from what it got. Its outputs and
+    gradients are right, but the broker saw the forward's all-reduce after the gate: the
+    forward made no communication, and the communication test says so."""
+    graded = grade("tp_early_gate", TP, k="parallel_mlp", world_sizes=(2,))
+    assert failing(graded) == {"parallel_mlp_communication": "failed"}
+    message = graded.message("parallel_mlp_communication", 2)
+    assert message.startswith(
+        "rank 0: ParallelMLP on 2 ranks: its forward made no communication"
+    ), message
