@@ -14,6 +14,8 @@ from collections.abc import Callable
 
 import torch
 
+from grader.broker.traffic import Event
+
 FLOAT_TOLERANCE_ULPS = 4.0
 UNCHANGED = (
     "it came back unchanged: nothing was received into it, or the result was never copied "
@@ -207,3 +209,9 @@ def on_every_rank(p: int, check: Callable[[int], None]) -> None:
         also = f" (the same on rank{'s' * (len(same) > 1)} {', '.join(map(str, same))})"
         # Of the first problem's type: a wrong result (WrongResult) stays one.
         raise type(error)(f"rank {first}: {text}" + (also if same else ""))
+
+
+def carried(event: Event) -> torch.Tensor:
+    """The tensor a collective's input carried, as the broker received it, in float64."""
+    dtype = getattr(torch, event.dtype or "float32")
+    return torch.frombuffer(bytearray(event.payload), dtype=dtype).double()

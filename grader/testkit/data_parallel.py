@@ -20,6 +20,7 @@ from grader.broker.ops import Gate
 from grader.broker.traffic import Event
 from grader.judge.call import CallResult
 from grader.scenarios.data_parallel import DIM, TiedNet, build, tensors_of
+from grader.testkit.compare import carried
 from grader.testkit.data import generator
 from grader.testkit.explain import close, close_in_float32, difference, uniform_factor
 
@@ -304,3 +305,25 @@ def gate_problem(out: CallResult, rank: int, full: list, bucket: str) -> str | N
                 "through the grader's gate at the embedding: the gate was bypassed"
             )
     return None
+
+
+def carried_problem(out: CallResult, rank: int, full: list) -> str | None:
+    """What the broker's record of the rank's gradient all-reduces proves wrong: together they
+    must carry the gradients this rank's backward computed in each iteration (the trusted
+    side's, through the gate's factor), each once. The order is the buckets' choice, so the
+    values are compared sorted; an all-reduce of the right size holding anything else
+    (zeros, with the real averaging done some other way) is a wrong message."""
+    p = len(out.traffic.gates)
+    mine = slices(full, rank, p)
+    local = [gated_grads(x, y, gate_factor(rank, i)) for i, (x, y) in enumerate(mine, start=1)]
+    want = torch.cat([g.reshape(-1) for grads in local for g in grads.values()]).sort().values
+    reduces = out.traffic.collectives(rank, "all_reduce")
+    got = torch.cat([carried(e) for e in reduces] or [torch.zeros(0, dtype=torch.float64)])
+    if got.shape == want.shape and close_in_float32(got.sort().values, want):
+        return None
+    return (
+        f"its all-reduces carried {got.numel()} values, but not the {want.numel()} local "
+        "gradients its backward computed (the broker's record of what each all-reduce "
+        "carried): all-reduce each bucket of this rank's own gradients, once, and nothing "
+        "else; the all-reduce is what averages them"
+    )

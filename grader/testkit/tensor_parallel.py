@@ -184,9 +184,3 @@ def partial_sums(full: dict[str, Tensor], x: Tensor, grad: Tensor, p: int, r: in
     a = F.gelu(h)
     a.backward(grad.double() @ w2[:, rows])
     return {"forward": a.detach() @ w2[:, rows].T, "backward": h.grad @ w1[rows]}
-
-
-def carried(event: Event) -> Tensor:
-    """The tensor a collective's input carried, as the broker received it."""
-    dtype = getattr(torch, event.dtype or "float32")
-    return torch.frombuffer(bytearray(event.payload), dtype=dtype).double()

@@ -40,6 +40,7 @@ from grader.testkit.data_parallel import (
     TIED,
     all_reduces,
     batches,
+    carried_problem,
     gate_problem,
     gates,
     gradient_problem,
@@ -167,3 +168,5 @@ def test_overlap(world: World, record: TestRecord, bucket: str) -> None:
     # The marks above are the scenario's word; what passes rests on the broker's gates.
     record.details["gates_opened"] = [[g.opened for g in out.traffic.gates[r]] for r in range(p)]
     blame(where, [gate_problem(out, r, full, bucket) for r in range(p)])
+    # And what the all-reduces carried: the gradients themselves, not a decoy of their size.
+    blame(where, [carried_problem(out, r, full) for r in range(p)])

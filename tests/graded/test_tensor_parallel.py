@@ -37,6 +37,7 @@ import torch.nn.functional as F
 
 from grader.scenarios.tensor_parallel import linear
 from grader.testkit import TestRecord, World, check_unchanged, on_every_rank, rank_tensor, require
+from grader.testkit.compare import carried
 from grader.testkit.shards import block, check_shape, check_shards, check_still_holds
 from grader.testkit.tensor_parallel import (
     ALL,
@@ -45,7 +46,6 @@ from grader.testkit.tensor_parallel import (
     OUT,
     SHAPE,
     call,
-    carried,
     expect,
     full_run,
     mlp_call,

@@ -328,3 +328,21 @@ def test_forged_marks_earn_no_overlap_points(grade) -> None:
             "backward reached the first layer (the embedding) before any all-reduce"
             in (test["output"])
         ), test["output"]
+
+
+def test_decoy_all_reduces_of_the_right_size_earn_no_overlap_points(grade) -> None:
+    """Zeros all-reduced from the gradient hooks, sized like each bucket, and the averaging done
+    by an all-gather after backward (issue: operations counted by name and size): training is
+    right, every overlap test fails on what the all-reduces carried."""
+    graded = grade("dp_decoy_overlap", DP, k="overlap", world_sizes=(2,))
+    for name in OVERLAP:
+        test = graded.test(name, 2, DP)
+        assert test["score"] == 0, (name, test["output"])
+    assert (
+        "before any all-reduce of the gradients it had already computed"
+        in (graded.test("overlap[per_parameter]", 2, DP)["output"])
+    )
+    assert (
+        "its all-reduces carried 288 values, but not the 288 local gradients"
+        in (graded.test("overlap[one_bucket]", 2, DP)["output"])
+    )
