@@ -312,18 +312,41 @@ def carried_problem(out: CallResult, rank: int, full: list) -> str | None:
     must carry the gradients this rank's backward computed in each iteration (the trusted
     side's, through the gate's factor), each once. The order is the buckets' choice, so the
     values are compared sorted; an all-reduce of the right size holding anything else
-    (zeros, with the real averaging done some other way) is a wrong message."""
+    (zeros, with the real averaging done some other way) is a wrong message, and the message
+    names the gradients that are not among what was carried."""
     p = len(out.traffic.gates)
     mine = slices(full, rank, p)
     local = [gated_grads(x, y, gate_factor(rank, i)) for i, (x, y) in enumerate(mine, start=1)]
     want = torch.cat([g.reshape(-1) for grads in local for g in grads.values()]).sort().values
     reduces = out.traffic.collectives(rank, "all_reduce")
     got = torch.cat([carried(e) for e in reduces] or [torch.zeros(0, dtype=torch.float64)])
-    if got.shape == want.shape and close_in_float32(got.sort().values, want):
+    got = got.sort().values
+    if got.shape == want.shape and close_in_float32(got, want):
         return None
+    absent: dict[str, list[int]] = {}
+    for i, grads in enumerate(local, start=1):
+        for name, grad in grads.items():
+            if not _among(grad.reshape(-1), got):
+                absent.setdefault(name, []).append(i)
+    which = "; ".join(
+        f"{name}'s gradient in iteration{'s' * (len(its) > 1)} {', '.join(map(str, its))}"
+        for name, its in absent.items()
+    )
+    which = f" ({which} not among them)" if which else ""
     return (
         f"its all-reduces carried {got.numel()} values, but not the {want.numel()} local "
-        "gradients its backward computed (the broker's record of what each all-reduce "
-        "carried): all-reduce each bucket of this rank's own gradients, once, and nothing "
-        "else; the all-reduce is what averages them"
+        f"gradients its backward computed{which}, by the broker's record of what each "
+        "all-reduce carried: all-reduce each bucket of this rank's own gradients, once, and "
+        "nothing else; the all-reduce is what averages them"
     )
+
+
+def _among(values: Tensor, pool: Tensor) -> bool:
+    """Every one of ``values`` is within float32 rounding of some value in ``pool`` (sorted):
+    the nearest in ``pool`` is one of the two around where the value would be inserted."""
+    if pool.numel() == 0:
+        return values.numel() == 0
+    at = torch.searchsorted(pool, values)
+    below, above = pool[(at - 1).clamp(min=0)], pool[at.clamp(max=pool.numel() - 1)]
+    nearest = torch.minimum((below - values).abs(), (above - values).abs())
+    return bool((nearest <= 1e-5 * (1 + values.abs())).all())

@@ -160,12 +160,20 @@ def test_dp_reducing_after_backward_fails_only_the_overlap_schedule(grade) -> No
 
 def test_dp_tied_weight_counted_twice_fails_training_naming_it(grade) -> None:
     graded = grade("dp_tied_weight_twice", DP, world_sizes=(4,))
-    assert_only_these_fail(graded, DP, TRAINING + UNUSED)
+    assert_only_these_fail(graded, DP, TRAINING + UNUSED + OVERLAP)
     for name in TRAINING + UNUSED:
         message = graded.test(name, 4, DP)["output"]
         assert "on 4 ranks, step 1, after synchronization: the tied weight embed.weight " in message
         assert "(also head.weight) has 2x its gradient while the others are right" in message
         assert "summed" not in message and message.endswith("(the same on ranks 1, 2, 3)")
+    for name in OVERLAP:  # its buckets carried twice the tied weight's gradient: wrong messages
+        message = graded.test(name, 4, DP)["output"]
+        assert "its all-reduces carried 288 values, but not the 288 local gradients its " in (
+            message
+        )
+        assert "computed (embed.weight's gradient in iterations 1, 2 not among them), by " in (
+            message
+        )
 
 
 def test_dp_float32_bucket_is_named_in_training_and_in_the_overlap_bytes(grade) -> None:
