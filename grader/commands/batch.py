@@ -25,10 +25,12 @@ import csv
 import io
 import json
 import os
+import queue
 import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -189,29 +191,45 @@ def _check_settings(batch: Batch) -> None:
 
 
 def _grade(batch: Batch, todo: list[str], failures: dict[str, str]) -> None:
-    """Keep ``jobs`` gradings running until none is left; stop them all if interrupted."""
+    """Keep ``jobs`` gradings running until none is left; stop them all if interrupted.
+
+    One event queue: a thread per grading waits for its process and puts it there when it
+    ends; between ends the loop sleeps until the oldest grading's deadline, and stops it then.
+    """
     pending, running = list(todo), list[_Running]()
+    ended: queue.Queue[_Running] = queue.Queue()
     try:
         while pending or running:
             while pending and len(running) < batch.jobs:
-                running.append(_start(batch, pending.pop(0)))
-            for run in list(running):
-                status = run.process.poll()
-                timed_out = status is None and time.monotonic() - run.started > batch.timeout
-                if timed_out:
-                    status = _stop([run.process])[0]
-                if status is not None:
-                    running.remove(run)
-                    why = _finish(batch, run, status, timed_out)
-                    if why is not None:
-                        failures[run.student] = why
-                        log = shown(str(folder_of(batch.out, run.student) / LOG))
-                        print(
-                            f"grader batch: {shown(run.student)}: {why}; see {log}", file=sys.stderr
-                        )
-            time.sleep(0.2)
+                run = _start(batch, pending.pop(0))
+                running.append(run)
+                threading.Thread(target=_report_end, args=(run, ended), daemon=True).start()
+            oldest = min(running, key=lambda r: r.started)
+            try:
+                run, timed_out = ended.get(timeout=_left(batch, oldest)), False
+            except queue.Empty:
+                run, timed_out = oldest, True
+            if run not in running:  # stopped at its deadline, and handled then
+                continue
+            running.remove(run)
+            status = _stop([run.process])[0] if timed_out else run.process.wait()
+            why = _finish(batch, run, status, timed_out)
+            if why is not None:
+                failures[run.student] = why
+                log = shown(str(folder_of(batch.out, run.student) / LOG))
+                print(f"grader batch: {shown(run.student)}: {why}; see {log}", file=sys.stderr)
     finally:
         _stop([run.process for run in running])
+
+
+def _report_end(run: _Running, ended: queue.Queue[_Running]) -> None:
+    run.process.wait()
+    ended.put(run)
+
+
+def _left(batch: Batch, run: _Running) -> float:
+    """Seconds until ``run`` reaches the per-student limit (--timeout)."""
+    return max(0.0, run.started + batch.timeout - time.monotonic())
 
 
 def _start(batch: Batch, student: str) -> _Running:
