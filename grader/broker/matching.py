@@ -147,6 +147,8 @@ class Matching(Connections):
         state.buffered -= sum(map(len, frame.buffers))
         if op.rank < len(self.traffic.delivered):
             self.traffic.delivered[op.rank] += sum(map(len, frame.buffers))
+            if op.kind == "recv" and op.event >= 0:
+                self.traffic.handed[(op.rank, op.event)] = len(self.traffic.per_rank[op.rank])
         if state.blocked_on is op:
             state.blocked_on = None
         self._send(op.rank, frame)

@@ -59,6 +59,10 @@ class Traffic:
     waits: list[list[Wait]] = field(default_factory=list)
     delivered: list[int] = field(default_factory=list)  # bytes handed to each rank
     gates: list[list[GatePass]] = field(default_factory=list)
+    # (rank, position of a receive among its events) -> how many of the rank's events the
+    # broker had recorded when it handed the message over: what it received can only reach
+    # operations from there on (an ``is_completed()`` may ask long before the message comes).
+    handed: dict[tuple[int, int], int] = field(default_factory=dict)
 
     @classmethod
     def empty(cls, world_size: int) -> Traffic:
@@ -114,3 +118,8 @@ class Traffic:
 
     def bytes_received(self, rank: int) -> int:
         return sum(e.nbytes for e in self.per_rank[rank] if e.op == "recv")
+
+    def handed_after(self, rank: int, event: int) -> int | None:
+        """How many of the rank's events came before the broker handed it what its receive
+        ``event`` got; None if it never did."""
+        return self.handed.get((rank, event))

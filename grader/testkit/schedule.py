@@ -1,13 +1,23 @@
 """The pipeline schedules the graded tests hold a stage to, as data (the way
-``torch.distributed.pipelining`` makes its schedules): the order of forwards and backwards
-each prescribes, and what a stage's timeline, or the broker's record of its messages, shows
-it did instead.
+``torch.distributed.pipelining`` makes its schedules), judged on the broker's record alone.
 
-A timeline is a list of :class:`~grader.judge.verdict.Cell`: ``F3`` the forward of
-microbatch 3, ``B3`` its backward. GPipe runs every forward before any backward, and the
-backwards in forward order; 1F1B runs ``min(p - r - 1, m)`` warm-up forwards on stage
-``r``, then one forward and one backward in turn, then the remaining backwards, so that at
-most ``p - r`` microbatches' activations are alive at once.
+GPipe runs every forward before any backward, and the backwards in forward order; 1F1B runs
+``min(p - r - 1, m)`` warm-up forwards on stage ``r``, then one forward and one backward in
+turn, then the remaining backwards, so that at most ``p - r`` microbatches' activations are
+alive at once. Written as cells (:class:`~grader.judge.verdict.Cell`): ``F3`` the forward of
+microbatch 3, ``B3`` its backward.
+
+Nothing a rank reports is read. Every message a stage sends is identified by what it holds,
+against the trusted side's activations and gradients (:mod:`grader.testkit.messages`), and
+bounds one pass (:class:`Bounds`): ``Fj`` cannot start before the stage had microbatch
+``j``'s input (stage 0 where it passed the gate "microbatch j", which hands the rows over;
+the others where the broker handed them activation ``j``, not where they asked for it), and
+was done when activation ``j`` was sent on; ``Bk`` cannot start before gradient ``k`` was
+handed over (on the last stage, before ``Fk``), and was done when the stage sent its
+gradient ``k`` back. A record is the schedule's when its passes fit these bounds in the
+schedule's order (:func:`order_problem`): every run of the schedule does, and a record that
+does is one a run of it could have made. Stage 0's backwards send nothing, so only their
+starts are bounded: their order there is not seen.
 """
 
 from __future__ import annotations
@@ -16,6 +26,7 @@ import enum
 
 from grader.broker.traffic import Traffic
 from grader.judge.verdict import Cell, backward, forward
+from grader.testkit.messages import RECORD, Bounds, Expected, read_stage
 
 
 class PipelineSchedule(enum.Enum):
@@ -24,17 +35,24 @@ class PipelineSchedule(enum.Enum):
     GPIPE = "gpipe_step"
     ONE_F_ONE_B = "one_f_one_b_step"
 
+    @property
+    def title(self) -> str:
+        return "GPipe" if self is PipelineSchedule.GPIPE else "1F1B"
+
     def order(self, p: int, rank: int, m: int) -> list[Cell]:
         """What stage ``rank`` of ``p`` runs for ``m`` microbatches."""
         if self is PipelineSchedule.GPIPE:
             return gpipe_order(p, rank, m)
         return one_f_one_b_order(p, rank, m)
 
-    def problem(self, timeline: list[Cell], p: int, rank: int, m: int) -> str | None:
-        """What is wrong with stage ``rank``'s timeline, or None."""
+    def why(self, first: Cell, then: Cell, p: int, rank: int, m: int) -> str:
+        """The rule that runs ``first`` before ``then`` on stage ``rank``."""
+        if self is PipelineSchedule.GPIPE and first.forward and not then.forward:
+            return "GPipe runs every forward before any backward"
+        rule = f"{self.title} runs {first} before {then}"
         if self is PipelineSchedule.GPIPE:
-            return gpipe_problem(timeline, p, rank, m)
-        return one_f_one_b_problem(timeline, p, rank, m)
+            return rule
+        return f"{rule}; {one_f_one_b_rule(p, rank, m)}"
 
 
 def gpipe_order(p: int, rank: int, m: int) -> list[Cell]:
@@ -58,130 +76,76 @@ def one_f_one_b_rule(p: int, rank: int, m: int) -> str:
     )
 
 
-def count_problem(timeline: list[Cell], rank: int, m: int) -> str | None:
-    forwards = sum(cell.forward for cell in timeline)
-    if forwards != m:
-        return f"stage {rank} ran {forwards} forwards for {m} microbatches: one per microbatch"
-    for i in range(m):
-        runs = timeline.count(backward(i))
-        if runs != 1:
-            done = f"backpropagated microbatch {i} (B{i}) {runs} times"
-            done = f"never backpropagated microbatch {i} (B{i})" if runs == 0 else done
-            return f"stage {rank} {done}: each microbatch takes one backward"
-    return None
+def arrival(cell: Cell, rank: int) -> str:
+    """What came to stage ``rank`` that ``cell`` needs first."""
+    if cell.forward and rank == 0:
+        return f"it took microbatch {cell.microbatch}'s rows at the grader's gate"
+    what = "activation" if cell.forward else "gradient"
+    return f"microbatch {cell.microbatch}'s {what} reached it"
 
 
-def gpipe_problem(timeline: list[Cell], p: int, rank: int, m: int) -> str | None:
-    problem = count_problem(timeline, rank, m)
-    if problem:
-        return problem
-    first = next(j for j, cell in enumerate(timeline) if not cell.forward)
-    late = [cell for cell in timeline[first:] if cell.forward]
-    if late:
-        return (
-            f"stage {rank} ran {late[0]} after {timeline[first]}: "
-            f"GPipe runs every forward before any backward"
-        )
-    backwards = timeline[first:]
-    for i, cell in enumerate(backwards):
-        if cell != backward(i):
-            order = (
-                "in reverse order" if backwards == [backward(j) for j in reversed(range(m))] else ""
-            )
+def departure(cell: Cell, rank: int) -> str:
+    """The message that shows ``cell`` done on stage ``rank``."""
+    if cell.forward:
+        return f"sent microbatch {cell.microbatch}'s activation to stage {rank + 1}"
+    return f"sent microbatch {cell.microbatch}'s gradient back to stage {rank - 1}"
+
+
+def order_problem(
+    schedule: PipelineSchedule, bounds: Bounds, p: int, rank: int, m: int
+) -> str | None:
+    """Why stage ``rank``'s passes cannot be placed in the schedule's order within their
+    bounds, or None. Each pass goes at the earliest point its inputs and the pass before it
+    allow; the first one whose message left before that point names what it came before."""
+    at, cause = 0, None
+    for cell in schedule.order(p, rank, m):
+        start = bounds.start.get(cell)
+        if start is not None and start > at:
+            at, cause = start, cell
+        end = bounds.end.get(cell)
+        if end is not None and end < at and cause is not None and cause != cell:
             return (
-                f"stage {rank} ran {cell} before B{i}{' (' + order + ')' if order else ''}: "
-                "GPipe backpropagates in forward order, microbatch 0 first"
+                f"stage {rank} {departure(cell, rank)} before {arrival(cause, rank)}{RECORD}: "
+                + schedule.why(cause, cell, p, rank, m)
             )
     return None
 
 
-def one_f_one_b_problem(timeline: list[Cell], p: int, rank: int, m: int) -> str | None:
-    problem = count_problem(timeline, rank, m)
-    expected = one_f_one_b_order(p, rank, m)
-    if problem or timeline == expected:
-        return problem
-    warmup, limit, rule = min(p - rank - 1, m), p - rank, one_f_one_b_rule(p, rank, m)
-    ahead = next(j for j, cell in enumerate(timeline) if not cell.forward)
-    if ahead != min(warmup + 1, m):
-        ran = f"{'only ' if ahead < warmup + 1 else ''}{ahead} microbatch{'es' * (ahead > 1)}"
-        return f"stage {rank} ran {ran} forward before its first backward; {rule}"
-    in_flight = 0
-    for cell in timeline:
-        in_flight += 1 if cell.forward else -1
-        if in_flight > limit:
-            return f"stage {rank} had {in_flight} microbatches in flight after {cell}; {rule}"
-    backwards = [cell for cell in timeline if not cell.forward]
-    for i, cell in enumerate(backwards):
-        if cell != backward(i):
-            return f"stage {rank} ran {cell} before B{i}: 1F1B backpropagates in forward order"
-    j = next(j for j, (a, b) in enumerate(zip(timeline, expected, strict=True)) if a != b)
-    return (
-        f"stage {rank} ran {timeline[j]} at step {j} where 1F1B runs {expected[j]}: {rule} "
-        f"(expected {' '.join(map(str, expected))}; ran {' '.join(map(str, timeline))})"
+def observed_order(
+    schedule: PipelineSchedule, bounds: Bounds, p: int, rank: int, m: int
+) -> list[Cell]:
+    """The stage's passes in the order the broker saw them: each where its message left (or,
+    with none, where its input came), ties in the schedule's order. What the picture draws."""
+    expected = schedule.order(p, rank, m)
+    seen = {
+        cell: bounds.end.get(cell, bounds.start.get(cell))
+        for cell in expected
+        if cell in bounds.end or cell in bounds.start
+    }
+    return sorted(seen, key=lambda cell: (seen[cell], expected.index(cell)))
+
+
+def in_flight_bound(bounds: Bounds, m: int) -> int:
+    """The fewest microbatches that were in flight at once on the stage: at each point, those
+    whose activation had been sent on and whose gradient had not yet come back (trusted)."""
+    sent = [bounds.end.get(forward(j)) for j in range(m)]
+    back = [bounds.start.get(backward(j)) for j in range(m)]
+    points = [s + 1 for s in sent if s is not None]
+    return max(
+        (
+            sum(
+                s is not None and s < at and (b is None or b > at)
+                for s, b in zip(sent, back, strict=True)
+            )
+            for at in points
+        ),
+        default=0,
     )
 
 
-def recorded(raw: object, rank: int) -> tuple[list[Cell], str | None]:
-    """Stage ``rank``'s timeline as its recorder wrote it, or why it is not one (the recorder
-    runs in the rank's process: anything may come back)."""
-    if not isinstance(raw, list):
-        return [], f"stage {rank} sent back no timeline"
-    cells = [Cell.parse(text) for text in raw]
-    if None in cells:
-        bad = repr(raw[cells.index(None)])[:40]
-        return [], f"stage {rank}'s timeline holds {bad}, which the recorder never writes"
-    return cells, None
-
-
-def in_flight_bound(traffic: Traffic, rank: int) -> int:
-    """The fewest microbatches that can have been in flight at once on ``rank`` (trusted).
-
-    From the broker's posting order alone: the i-th activation sent to the next stage
-    proves i forwards done, and a backward can only have finished once its gradient's
-    receive from the next stage was posted. The last stage sends no activation: 0.
-    """
-    sent = received = bound = 0
-    for e in traffic.per_rank[rank]:
-        if e.peer == rank + 1:
-            sent, received = sent + (e.op == "send"), received + (e.op == "recv")
-            bound = max(bound, sent - received)
-    return bound
-
-
-def message_problem(
-    traffic: Traffic, schedule: PipelineSchedule, p: int, rank: int, m: int
-) -> str | None:
-    """What the broker's own record of ``rank``'s messages proves wrong with its schedule.
-
-    Trusted, but partial: message counts on every stage; for 1F1B, the in-flight bound
-    (:func:`in_flight_bound`) on every stage but the last; for GPipe, on every stage but the
-    first, a gradient sent back (a backward done) before the last activation's receive was
-    posted (a forward still to come).
-    """
-    record = " (the broker's record of its messages)"
-    events = traffic.per_rank[rank]
-    for peer, what in ((rank + 1, "activations"), (rank - 1, "gradients")):
-        if not 0 <= peer < p:
-            continue
-        sent = sum(e.op == "send" and e.peer == peer for e in events)
-        if sent != m:
-            return f"stage {rank} sent {sent} {what} to stage {peer} for {m} microbatches{record}"
-    if schedule is PipelineSchedule.ONE_F_ONE_B and rank < p - 1:
-        bound = in_flight_bound(traffic, rank)
-        if bound > p - rank:
-            return (
-                f"stage {rank} sent {bound} activations to stage {rank + 1} beyond the "
-                f"gradients it had asked back, so {bound} microbatches were in flight{record}; "
-                + one_f_one_b_rule(p, rank, m)
-            )
-    if schedule is PipelineSchedule.GPIPE and rank > 0:
-        received = 0
-        for e in events:
-            received += e.op == "recv" and e.peer == rank - 1
-            if e.op == "send" and e.peer == rank - 1 and received < m:
-                return (
-                    f"stage {rank} sent a gradient back to stage {rank - 1} before receiving "
-                    f"microbatch {received}'s activation{record}: GPipe runs every forward "
-                    "before any backward"
-                )
-    return None
+def judge_stage(
+    traffic: Traffic, schedule: PipelineSchedule, p: int, rank: int, m: int, expected: Expected
+) -> tuple[Bounds, str | None]:
+    """Stage ``rank``'s bounds, and what the broker's record proves wrong with its schedule."""
+    bounds, problem = read_stage(traffic, rank, p, m, expected, schedule.title)
+    return bounds, problem or order_problem(schedule, bounds, p, rank, m)

