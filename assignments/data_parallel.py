@@ -130,8 +130,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
     2, 3, 4) in two groups, the second added with `add_param_group` with its own
     hyperparameters, a step where one parameter has no gradient, `zero_grad()` between
     steps: the parameters after each step must match the unsharded optimizer's.
-    `sharded_optimizer_state` (p = 2, 4): the state bytes on each rank, about 1/p of the
-    unsharded optimizer's.
+    `sharded_optimizer_state` (p = 2, 4): each parameter has one owner, the rank that sends
+    its update to the others (a broadcast from it, or its input to an all-gather), and each
+    rank owns about 1/p of the state; in a second call a rank gets the true gradients only of
+    what it owns, so it must take the rest from their owners.
     """
 
     def __init__(

@@ -243,6 +243,7 @@ class Broker(Matching):
                 dtype=dtype,
                 payload=b"".join(op.payload),
                 pieces=tuple(map(len, op.payload)),
+                root=source(name, op.call.root, group),
             )
         )
         sequence = self._sequence[(state.rank, group)]
@@ -285,3 +286,9 @@ class Broker(Matching):
 
     def rank_failure(self, state: RankState, frame: Frame) -> None:
         self._finish(state, RankError.read(frame.header.get("error")))
+
+
+def source(name: str, root: int, group: tuple[int, ...]) -> int:
+    """The global rank a collective called ``name`` with group rank ``root`` broadcasts from;
+    -1 if it is no broadcast, or its root is outside the group (the broker refuses it)."""
+    return group[root] if name == "broadcast" and 0 <= root < len(group) else -1

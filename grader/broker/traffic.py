@@ -29,6 +29,8 @@ class Event:
     payload: bytes | bytearray = field(default=b"", repr=False, compare=False)
     # A collective's inputs one by one: an all-to-all's bytes for each destination, in order.
     pieces: tuple[int, ...] = field(default=(), compare=False)
+    # A broadcast's source, a global rank, as the broker computed it; -1 for any other op.
+    root: int = field(default=-1, compare=False)
 
     def as_dict(self) -> dict[str, Any]:
         return {"op": self.op, "peer": self.peer, "nbytes": self.nbytes, "tag": self.tag}

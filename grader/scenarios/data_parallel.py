@@ -2,8 +2,8 @@
 
 Each scenario builds what the test sent (a model's initial state, batches, parameters and
 gradients), runs the student's class on it and returns what it saw: parameters after each
-step, gradients after each synchronization, the bytes of optimizer state. It holds no
-expected value; the test compares with a one-process float64 oracle on the trusted side.
+step, gradients after each synchronization. It holds no expected value; the test compares
+with a one-process float64 oracle on the trusted side.
 The model class and the optimizer settings live here because both sides need them.
 """
 
@@ -192,25 +192,6 @@ def overlap(
     return grads
 
 
-def state_bytes(optimizer: torch.optim.Optimizer) -> list[int]:
-    """Bytes of state per entry of ``optimizer.state`` and of the state of every optimizer it
-    holds as an attribute (alone, or in a list, tuple or dict), each tensor counted once."""
-    found = [optimizer]
-    for value in vars(optimizer).values():
-        items = list(value.values()) if isinstance(value, dict) else value
-        for item in items if isinstance(items, list | tuple) else [items]:
-            if isinstance(item, torch.optim.Optimizer) and item not in found:
-                found.append(item)
-    seen: set[int] = set()
-    per_entry = [0]
-    for o in found:
-        for entry in o.state.values():
-            fresh = [t for t in dict(entry).values() if isinstance(t, Tensor) and id(t) not in seen]
-            seen.update(id(t) for t in fresh)
-            per_entry.append(sum(t.nbytes for t in fresh))
-    return per_entry
-
-
 def param_groups(
     initial: list[Tensor],
     second: dict[str, Any],
@@ -240,8 +221,8 @@ def sharded(
     The first group (``initial[:split]``, with ``FIRST_SETTINGS`` if ``own_first``) goes to the
     constructor; the second is added with ``add_param_group`` and has its own hyperparameters.
     Before step s every parameter i gets ``grads[s][i]`` (None: no gradient). Returns the
-    parameters after each step (``params``), the parameters still holding a nonzero gradient
-    after each ``zero_grad()`` (``kept``) and the bytes of optimizer state found on this rank.
+    parameters after each step (``params``) and the parameters still holding a nonzero
+    gradient after each ``zero_grad()`` (``kept``).
     """
     cls, kwargs, second = SHARDED[optimizer]
     first = FIRST_SETTINGS[optimizer] if own_first else None
@@ -257,7 +238,4 @@ def sharded(
         opt.zero_grad()
         kept = [i for i, q in enumerate(params) if q.grad is not None and bool(q.grad.any())]
         seen["kept"].append(kept)
-    # An observation, not a verdict: what this rank's optimizers hold, as measured here. The
-    # test judges it against the unsharded optimizer's state, computed on the trusted side.
-    seen["state_bytes"] = sum(state_bytes(opt))
     return seen

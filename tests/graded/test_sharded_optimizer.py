@@ -12,8 +12,9 @@ unsharded optimizer stepping the same parameters here, in float64.
   constructor) holding its own settings too: stepping it with the optimizer's defaults fails.
 - ``sharded_optimizer_no_owner``: 3 parameters on 4 ranks, so rank 3 owns none: it must still
   build its optimizer, step and take part in every broadcast, without crashing.
-- ``sharded_optimizer_state``: the bytes of optimizer state each rank holds, about 1/p of the
-  unsharded optimizer's (see the test for which assignments of parameters pass).
+- ``sharded_optimizer_state``: each rank owns about 1/p of the state: the owners are read from
+  the broker's record (who sent each updated value), and a second call gives each rank the
+  true gradient only of what it owns (see the test for which assignments pass).
 """
 
 from __future__ import annotations
@@ -25,14 +26,8 @@ import pytest
 import torch
 from torch import Tensor
 
-from grader.scenarios.data_parallel import (
-    FIRST_GROUP,
-    FIRST_SETTINGS,
-    SHARDED,
-    param_groups,
-    state_bytes,
-)
-from grader.testkit import TestRecord, World, failures, generator
+from grader.scenarios.data_parallel import FIRST_GROUP, FIRST_SETTINGS, SHARDED, param_groups
+from grader.testkit import CallResult, TestRecord, World, failures, generator, zero
 from grader.testkit.explain import blame, close, difference
 
 SHAPES = [(4, 8), (8,), (6, 8), (20,), (6, 6), (24,), (5, 8)]  # 7 parameters, uneven sizes
@@ -97,16 +92,28 @@ def unchanged(i: int, after: list[list[Any]], before: list[list[Any]]) -> list[b
     ]
 
 
+def sharded_call(
+    world: World,
+    name: str,
+    initial: list[Tensor],
+    grads: list[list[list[Tensor | None]]],
+    own_first: bool = False,
+    split: int = FIRST_GROUP,
+) -> CallResult:
+    """The student's ShardedOptimizer stepping ``initial``, rank r with gradients ``grads[r]``."""
+    return world.call(
+        scenario="data_parallel.sharded",
+        args=[(name, initial, mine, own_first, split) for mine in grads],
+        case=f"ShardedOptimizer({SHARDED[name][0].__name__}) on {world.size} ranks",
+    )
+
+
 def call_sharded(
     world: World, name: str, inputs: Any, own_first: bool = False, split: int = FIRST_GROUP
 ) -> list[dict[str, Any]]:
     """Every rank's observations of the student's ShardedOptimizer stepping ``inputs``."""
-    p, (initial, grads) = world.size, inputs
-    return world.call(
-        scenario="data_parallel.sharded",
-        args=[(name, initial, grads, own_first, split)] * p,
-        case=f"ShardedOptimizer({SHARDED[name][0].__name__}) on {p} ranks",
-    ).returned
+    initial, grads = inputs
+    return sharded_call(world, name, initial, [grads] * world.size, own_first, split).returned
 
 
 def check_steps(
@@ -197,53 +204,141 @@ def test_sharded_optimizer_no_owner(world: World, optimizer: str) -> None:
     check_steps(seen, optimizer, inputs, split=FEW_SPLIT)
 
 
+def updates(name: str, inputs: Any) -> list[list[Tensor]]:
+    """The unsharded optimizer's parameters after each step."""
+    cls, kwargs, second = SHARDED[name]
+    params, groups = param_groups(inputs[0], second)
+    oracle, out = cls(groups, **kwargs), []
+    for row in inputs[1]:
+        for q, g in zip(params, row, strict=True):
+            q.grad = None if g is None else g.clone()
+        oracle.step()
+        out.append([q.detach().clone() for q in params])
+    return out
+
+
+def unsharded_state(inputs: Any) -> tuple[list[int], list[int]]:
+    """Per parameter, the bytes of the unsharded AdamW's state (after one step: its size,
+    whatever its values), and of its scalars (``step``) among them."""
+    params = param_groups(inputs[0], {})[0]
+    oracle = torch.optim.AdamW(params, **SHARDED["adamw"][1])
+    for q, g in zip(params, inputs[1][0], strict=True):
+        q.grad = g.clone()
+    oracle.step()
+    states = [list(oracle.state[q].values()) for q in params]
+    return [sum(t.nbytes for t in st) for st in states], [
+        sum(t.nbytes for t in st if t.dim() == 0) for st in states
+    ]
+
+
+def allowance(per_param: list[int], scalars: list[int], p: int) -> dict[str, int]:
+    """The state a rank's owned elements may need: the larger of ceil(n/p) parameters' worth
+    (balanced by count) and 1/p of the elements plus the largest parameter and the scalars
+    (balanced by size)."""
+    by_count = sum(sorted(per_param, reverse=True)[: math.ceil(len(per_param) / p)])
+    by_size = math.ceil(sum(per_param) / p) + max(per_param) + sum(scalars)
+    return {"allowed_by_count": by_count, "allowed_by_size": by_size}
+
+
+def received_limit(initial: list[Tensor], p: int) -> int:
+    """What a rank may be handed in the owners-only call: every parameter's update at every
+    step (a broadcast's root gets its own tensor back too), plus padding to a multiple of p
+    per parameter and a few bytes per step."""
+    per_step = sum(t.nbytes for t in initial) + p * len(initial) * 8 + 64
+    return SHARDED_STEPS * per_step
+
+
+OWNED_ONLY = (
+    "in this call each rank was given the true gradient only of what it owns (as its "
+    "messages in the first call showed) and random ones elsewhere: a rank must take the "
+    "parameters it does not own from their owners, not step them itself"
+)
+
+
 @pytest.mark.graded(target="data_parallel.ShardedOptimizer", kind="correctness")
 def test_sharded_optimizer_state(world: World, record: TestRecord) -> None:
-    """Each rank's AdamW state, about 1/p of the unsharded optimizer's, measured on its own.
+    """Each rank owns about 1/p of the AdamW state, as the broker saw it, in two calls.
 
-    Which assignments of parameters to ranks pass, on purpose: any that balances them by
-    count (no rank owns more than ceil(n/p) of the n parameters: round-robin, contiguous
-    chunks) or by size (each parameter to the rank owning the fewest elements so far, in any
-    order: at most 1/p of the state plus the largest parameter's, plus the scalar ``step``
-    counters, which count parameters, not elements). The allowance is the larger of the two
-    bounds, from the unsharded optimizer's own state; a rank holding more, such as one that
-    keeps the whole state, fails. The bound is judged first, then the parameters (so that a
-    falsified measurement cannot pass wrong code; wrong steps also explain state that is
-    missing), and zero_grad() is left to the other tests.
+    The first call (the same gradients everywhere) must step right; the owner of each
+    parameter element is the rank that sent its updated value (the root of a broadcast, or its
+    piece of an all-gather, matched by content with the unsharded optimizer's). The owners'
+    loads must balance: by count (no rank owns more than ceil(n/p) of the n parameters:
+    round-robin, contiguous chunks) or by size (each to the least loaded rank, in any order:
+    at most 1/p of the state plus the largest parameter's, plus the ``step`` counters). In the
+    second call each rank gets the true gradient only of what it owns, random ones elsewhere:
+    the parameters must still come out right, from the same owners, and no rank may be handed
+    more than the parameters' updates. A rank then has the true gradients of its own elements
+    only: whatever state it keeps of the others, it could not have computed it.
     """
-    inputs = sharded_inputs()
-    seen = call_sharded(world, "adamw", inputs)
-    oracle = torch.optim.AdamW(param_groups(inputs[0], {})[0], **SHARDED["adamw"][1])
-    for q, g in zip(oracle.param_groups[0]["params"], inputs[1][0], strict=True):
-        q.grad = g.clone()  # one step: the unsharded state's size, whatever its values
-    oracle.step()
-    p, per_param, n = world.size, state_bytes(oracle)[1:], len(SHAPES)
-    total, per_rank = sum(per_param), [int(s["state_bytes"]) for s in seen]
-    scalars = sum(t.nbytes for st in oracle.state.values() for t in st.values() if t.dim() == 0)
-    by_count = sum(sorted(per_param, reverse=True)[: math.ceil(n / p)])
-    by_size = math.ceil(total / p) + max(per_param) + scalars
-    allowed = max(by_count, by_size)
+    inputs, p = sharded_inputs(), world.size
+    what = f"ShardedOptimizer(AdamW) on {p} ranks"
+    first = sharded_call(world, "adamw", inputs[0], [inputs[1]] * p)
+    check_steps(first.returned, "adamw", inputs, zero_grad=False)
+    updated = updates("adamw", inputs)
+    owned, problem = zero.owners(first.traffic, updated)
+    if owned is None:
+        raise AssertionError(f"{what}: {problem}")
+    per_param, scalars = unsharded_state(inputs)
+    bounds = allowance(per_param, scalars, p)
+    allowed, load = max(bounds.values()), zero.loads(owned, p, per_param, scalars)
+    total = sum(per_param)
     record.details.update(
-        state_bytes_per_rank=per_rank,
+        owned_state_bytes_per_rank=load,
+        owned_elements_per_rank=[sum(c) for c in owned.counts(p)],
         unsharded_state_bytes=total,
         allowed_bytes_per_rank=allowed,
-        allowed_by_count=by_count,
-        allowed_by_size=by_size,
+        **bounds,
     )
-    what = f"ShardedOptimizer(AdamW) on {p} ranks"
-    too_much = [
-        f"it holds {mine} bytes of optimizer state, the unsharded AdamW {total}: each rank "
-        f"should keep state only for its own shard, about 1/{p} (at most {allowed} bytes here: "
-        f"ceil({n}/{p}) parameters' worth, or 1/{p} of the elements plus one parameter)"
-        if mine > allowed
-        else None
-        for mine in per_rank
+    blame(
+        what,
+        [
+            f"it owns (sends the updates of) {mine} bytes' worth of optimizer state, the "
+            f"unsharded AdamW {total}: each rank should own about 1/{p} of the parameters (at "
+            f"most {allowed} bytes here: ceil({len(per_param)}/{p}) parameters' worth, or "
+            f"1/{p} of the elements plus one parameter)"
+            if mine > allowed
+            else None
+            for mine in load
+        ],
+    )
+    check_owners_only(world, inputs, owned, updated, record)
+
+
+def check_owners_only(
+    world: World, inputs: Any, owned: zero.Owners, updated: list[list[Tensor]], record: TestRecord
+) -> None:
+    """The second call: rank r has the true gradient only where it owns the parameters. They
+    must come out right, updated by the same owners, and no rank handed more than the
+    parameters' updates."""
+    p, what = world.size, f"ShardedOptimizer(AdamW) on {world.size} ranks"
+    grads = [
+        zero.owned_grads(inputs[1], owned, r, "data_parallel/sharded/unowned") for r in range(p)
     ]
-    blame(what, too_much)
-    check_steps(seen, "adamw", inputs, zero_grad=False)  # wrong steps explain missing state
-    if sum(per_rank) < total:
+    second = sharded_call(world, "adamw", inputs[0], grads)
+    try:
+        check_steps(second.returned, "adamw", inputs, zero_grad=False)
+    except AssertionError as err:
+        raise AssertionError(f"{err} ({OWNED_ONLY})") from None
+    again, problem = zero.owners(second.traffic, updated)
+    if again is None:
+        raise AssertionError(f"{what}: with gradients true only where a rank owns them, {problem}")
+    if any(not torch.equal(a, b) for a, b in zip(again.of, owned.of, strict=True)):
         raise AssertionError(
-            f"{what}: found {sum(per_rank)} bytes of optimizer state over all ranks, the "
-            f"unsharded AdamW holds {total}: keep the state in the .state of a torch.optim "
-            "optimizer held as an attribute (e.g. self.local_optimizer)"
+            f"{what}: with gradients true only where a rank owns them, other ranks sent the "
+            "updates than in the first call: each parameter's owner must follow from the order "
+            "parameters are added, the same in every call"
         )
+    limit, got = received_limit(inputs[0], p), second.traffic.delivered
+    record.details.update(received_bytes_per_rank=list(got), received_limit=limit)
+    blame(
+        what,
+        [
+            f"it was handed {mine} bytes in {SHARDED_STEPS} steps of the second call, more "
+            f"than the parameters' updates take (at most {limit} here): a rank that also gets "
+            "the others' gradients can keep their optimizer state, which ZeRO-1 leaves to "
+            "their owners"
+            if mine > limit
+            else None
+            for mine in got
+        ],
+    )

@@ -88,8 +88,9 @@ def test_reference_passes_both_parts(grade) -> None:
     tiny = entries(graded, DP)[("overlap[cap_below_parameter]", 2)]["extra_data"]
     assert tiny["all_reduces"] == [4, 4] and tiny["all_reduce_bytes"] == [64, 64, 512, 512]
     state = entries(graded, DP)[("sharded_optimizer_state", 2)]["extra_data"]
-    assert sum(state["state_bytes_per_rank"]) == state["unsharded_state_bytes"]  # each state once
-    assert max(state["state_bytes_per_rank"]) <= state["allowed_bytes_per_rank"]
+    owned = state["owned_state_bytes_per_rank"]  # as the broker saw who sent each update
+    assert sum(owned) == state["unsharded_state_bytes"]  # each parameter has one owner
+    assert max(owned) <= state["allowed_bytes_per_rank"]
     # The allowance, by decision: ceil(7/2) = 4 largest parameters' AdamW state (round-robin's
     # worst) at p = 2; 1/4 of the state plus the largest parameter's and the counters at p = 4.
     assert state["allowed_bytes_per_rank"] == state["allowed_by_count"] == 2512
@@ -253,6 +254,31 @@ def test_dp_added_group_never_stepped_is_named(grade) -> None:
         assert "broadcast" not in message
 
 
+def test_an_unsharded_optimizer_hidden_from_a_measurement_owns_nothing(grade) -> None:
+    """Every parameter stepped by a hidden unsharded optimizer, a 1/p decoy where a rank-side
+    measurement would look, no message: the broker saw no rank send an update."""
+    graded = grade("zero_hidden_unsharded", DP, world_sizes=(2,))
+    assert_only_these_fail(graded, DP, ["sharded_optimizer_state"])
+    assert graded.test("sharded_optimizer_state", 2, DP)["output"].startswith(
+        "ShardedOptimizer(AdamW) on 2 ranks: no rank sent parameter 0's updated value, in a "
+        "broadcast from its root or in its input to an all-gather or an all-reduce"
+    )
+
+
+def test_decoy_broadcasts_from_the_owners_do_not_hide_an_unsharded_optimizer(grade) -> None:
+    """The reference's broadcasts made, their results dropped, every parameter stepped
+    locally: given the true gradient only of what it owns, a rank steps the rest wrong."""
+    graded = grade("zero_decoy_broadcasts", DP, world_sizes=(4,))
+    assert_only_these_fail(graded, DP, ["sharded_optimizer_state"])
+    message = graded.test("sharded_optimizer_state", 4, DP)["output"]
+    assert message.startswith("rank 0: ShardedOptimizer(AdamW) on 4 ranks: after step 1: ")
+    assert message.endswith(
+        "(in this call each rank was given the true gradient only of what it owns (as its "
+        "messages in the first call showed) and random ones elsewhere: a rank must take the "
+        "parameters it does not own from their owners, not step them itself)"
+    )
+
+
 def test_dp_zero_grad_of_own_shard_fails_steps_but_not_the_state(grade) -> None:
     graded = grade("dp_zero_grad_own_shard", DP, world_sizes=(2,))
     assert_only_these_fail(graded, DP, [*SHARDED, *FIRST])  # the state is measured on its own
@@ -267,7 +293,7 @@ def test_dp_round_robin_owners_pass_the_state_bound(grade) -> None:
     graded = grade("dp_round_robin_owners", DP, world_sizes=(2,))
     assert_only_these_fail(graded, DP, [])
     state = graded.test("sharded_optimizer_state", 2, DP)["extra_data"]
-    assert state["state_bytes_per_rank"] == [2512, 844]  # parameters 0, 2, 4, 6 on rank 0
+    assert state["owned_state_bytes_per_rank"] == [2512, 844]  # parameters 0, 2, 4, 6 on rank 0
     assert state["allowed_bytes_per_rank"] == 2512
 
 

@@ -1,0 +1,155 @@
+"""ZeRO-1's owners, read from the broker's record of a call, not from anything a rank reports.
+
+A parameter element's owner is the rank that sent its updated value: the root of a broadcast
+that carried it, or the rank whose input to an all-gather or an all-reduce (the others adding
+zeros there) held it. Values are matched by
+content against the unsharded optimizer's updated parameters (computed here), so that neither
+the order of the messages nor their grouping into tensors matters: whole parameters, flat
+element ranges and buckets of several parameters are all read the same way.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from grader import wire
+from grader.broker.traffic import Event, Traffic
+from grader.testkit.data import generator
+
+TOLERANCE = 1e-9  # relative, plus absolute: float64 steps computed in another order
+HOW = (
+    "ZeRO-1 brings every rank's parameters up to date from their owners: broadcast each "
+    "parameter from the rank that updated it (or all-gather every rank's updated shard)"
+)
+
+
+@dataclass(frozen=True)
+class Owners:
+    """Per parameter, the rank owning each element (flattened): the one that sent its update."""
+
+    of: list[Tensor]  # int64, one per parameter, shaped like it
+
+    def mask(self, i: int, rank: int) -> Tensor:
+        """Where ``rank`` owns parameter ``i``."""
+        return self.of[i] == rank
+
+    def counts(self, p: int) -> list[list[int]]:
+        """Per rank, how many elements of each parameter it owns."""
+        return [[int((o == r).sum()) for o in self.of] for r in range(p)]
+
+
+def carried(event: Event, rank: int) -> Tensor | None:
+    """The values an updating event of ``rank`` sent, in float64: a broadcast's payload if the
+    rank is its root, its input to an all-gather or an all-reduce; None for anything else."""
+    sends = event.op in ("all_gather", "all_reduce") or (
+        event.op == "broadcast" and event.root == rank
+    )
+    dtype = wire.DTYPES.get(event.dtype)
+    if not sends or dtype is None or not event.payload:
+        return None
+    size = torch.empty((), dtype=dtype).element_size()
+    if len(event.payload) % size:
+        return None
+    return torch.frombuffer(bytearray(event.payload), dtype=dtype).double()
+
+
+def matches(values: Tensor, flat: Tensor) -> Tensor:
+    """The positions in ``flat`` of the elements of ``values`` that one of its elements equals
+    (within :data:`TOLERANCE`)."""
+    order = flat.argsort()
+    ordered = flat[order]
+    at = torch.searchsorted(ordered, values).clamp(max=len(flat) - 1)
+    below = (at - 1).clamp(min=0)
+    nearer = torch.where((ordered[below] - values).abs() < (ordered[at] - values).abs(), below, at)
+    found = (ordered[nearer] - values).abs() <= TOLERANCE * (1 + ordered[nearer].abs())
+    return order[nearer[found]]
+
+
+def senders(traffic: Traffic, updated: list[list[Tensor]]) -> Tensor:
+    """(p, elements): whether rank r sent element j's updated value, after any step.
+
+    ``updated``: the unsharded optimizer's parameters after each step; elements are numbered
+    through the parameters in order, flattened.
+    """
+    flats = [torch.cat([t.detach().double().flatten() for t in step]) for step in updated]
+    sent = torch.zeros(len(traffic.per_rank), len(flats[0]), dtype=torch.bool)
+    for rank, events in enumerate(traffic.per_rank):
+        for event in events:
+            values = carried(event, rank)
+            if values is None or not len(values):
+                continue
+            for flat in flats:
+                sent[rank, matches(values, flat)] = True
+    return sent
+
+
+def owners(traffic: Traffic, updated: list[list[Tensor]]) -> tuple[Owners | None, str | None]:
+    """The owners of every parameter element, or why the record shows none: an element whose
+    update no rank sent, or one that two ranks sent."""
+    sent = senders(traffic, updated)
+    shapes = [t.shape for t in updated[0]]
+    starts = [0, *itertools.accumulate(math.prod(s) for s in shapes)]
+
+    def parameter(j: int) -> int:
+        return next(i for i in range(len(shapes)) if j < starts[i + 1])
+
+    count = sent.sum(0)
+    if bool((count == 0).any()):
+        i = parameter(int((count == 0).nonzero()[0]))
+        return None, (
+            f"no rank sent parameter {i}'s updated value, in a broadcast from its root or in "
+            f"its input to an all-gather or an all-reduce (the broker's record of what each "
+            f"carried): {HOW}"
+        )
+    if bool((count > 1).any()):
+        j = int((count > 1).nonzero()[0])
+        ranks = ", ".join(str(r) for r in sent[:, j].nonzero().flatten().tolist())
+        return None, (
+            f"parameter {parameter(j)}'s updated value was sent by ranks {ranks}: ZeRO-1 "
+            "gives each parameter (or element) one owner, the only rank that steps it and "
+            "holds its optimizer state, and that rank sends the update to the others"
+        )
+    owner = sent.long().argmax(0)
+    return Owners(
+        [owner[a:b].reshape(s) for a, b, s in zip(starts[:-1], starts[1:], shapes, strict=True)]
+    ), None
+
+
+def owned_grads(
+    grads: list[list[Tensor | None]], owned: Owners, rank: int, key: str
+) -> list[list[Tensor | None]]:
+    """``grads`` where ``rank`` owns them, and elsewhere gradients drawn from the secret seed
+    (``key``), as random as the true ones: only the owner can know how a parameter moves."""
+    out: list[list[Tensor | None]] = []
+    for step, row in enumerate(grads, start=1):
+        gen = generator(f"{key}/rank{rank}/step{step}")
+        out.append(
+            [
+                None
+                if g is None
+                else torch.where(
+                    owned.mask(i, rank), g, torch.randn(g.shape, generator=gen, dtype=g.dtype)
+                )
+                for i, g in enumerate(row)
+            ]
+        )
+    return out
+
+
+def loads(owned: Owners, p: int, per_param: list[int], scalars: list[int]) -> list[int]:
+    """Per rank, the bytes of optimizer state its elements need: of each parameter's state
+    (``per_param``), the share of the elements it owns, and the parameter's scalars (such as
+    ``step``) whole if it owns any of it."""
+    numels = [o.numel() for o in owned.of]
+    return [
+        sum(
+            (c * (state - scalar)) // n + (scalar if c else 0)
+            for c, state, scalar, n in zip(row, per_param, scalars, numels, strict=True)
+        )
+        for row in owned.counts(p)
+    ]
