@@ -3,14 +3,20 @@
 The trusted side makes the model's initial state and every rank's batch; the scenario builds
 the same model on every rank, wraps it in the submission's ``FullyShardedDataParallel``, trains
 it a few steps and returns what it saw: the gradients after each synchronization, the shapes
-of the parameters between steps, the gathered parameters at the end. Marks in the broker's
-record delimit each phase and each sharded layer's forward and backward, so that the test can
-place the broker's all-gathers and reduce-scatters. The model (:class:`Net`) is defined here
-once: the one-process oracle on the trusted side trains the very same module.
+of the parameters between steps, the gathered parameters at the end.
+
+What the steps need comes only through the test's gates (:func:`gate`), so that the broker's
+record shows where the rank's code really was: each step's tokens where the embedding starts
+its forward, a factor on the input of every other sharded layer where it starts, the targets
+where the loss is computed, and the learning rate where the optimizer steps. The test places
+the broker's all-gathers and reduce-scatters between them; nothing the rank says is read.
+The model (:class:`Net`) is defined here once: the one-process oracle on the trusted side
+trains the very same module, with the same factors (:func:`scale_inputs`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
@@ -18,9 +24,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from grader.scenarios import mark
+from grader.scenarios import gate
 
 VOCAB, DIM, HIDDEN, OUT = 13, 10, 23, 9  # no size is divisible by every p in 2..4
+SEQ = 5  # tokens per row
 DTYPES = {"float32": None, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -72,10 +79,19 @@ def loss_of(logits: Tensor, targets: Tensor) -> Tensor:
 def optimizer(name: str, params: Any) -> torch.optim.Optimizer:
     """SGD with momentum, or AdamW with ``eps=1e-3``: with the default 1e-8, a gradient near
     zero whose sign an honest change of summation order flips moves a weight by a whole
-    step, and the comparison with one process would rest on luck."""
+    step, and the comparison with one process would rest on luck. The learning rate is the
+    test's, set before each step."""
     if name == "sgd":
-        return torch.optim.SGD(params, lr=0.2, momentum=0.9)
-    return torch.optim.AdamW(params, lr=0.02, eps=1e-3, weight_decay=0.1)
+        return torch.optim.SGD(params, lr=0.0, momentum=0.9)
+    return torch.optim.AdamW(params, lr=0.0, eps=1e-3, weight_decay=0.1)
+
+
+def scale_inputs(net: Net, factor: Callable[[int], float]) -> None:
+    """Multiply the input of every sharded layer after the embedding by ``factor(i)`` as its
+    forward starts (after the wrapper's own hooks, which were registered first: its gathers,
+    and its cast to the compute dtype, come before)."""
+    for i, name in enumerate(SHARDED[1:], start=1):
+        getattr(net, name).register_forward_pre_hook(lambda _, args, i=i: (args[0] * factor(i),))
 
 
 def _shapes(net: nn.Module) -> dict[str, list[int]]:
@@ -89,44 +105,52 @@ def _grads(net: nn.Module) -> dict[str, Tensor | None]:
     }
 
 
-def _mark_layers(net: Net) -> None:
-    """A mark as each sharded layer starts its forward and its backward (after the wrapper's
-    own hooks, which were registered first: its gathers come before the mark)."""
-    for i, name in enumerate(SHARDED):
-        layer = getattr(net, name)
-        layer.register_forward_pre_hook(lambda *_, i=i: mark(f"forward {i}"))
-        layer.register_full_backward_pre_hook(lambda *_, i=i: mark(f"backward {i}"))
+class _Gates:
+    """The step's gates, each passed once, the first time the step's code needs it."""
+
+    def __init__(self) -> None:
+        self.step, self.got = 0, dict[str, Tensor]()
+
+    def __call__(self, what: str) -> Tensor:
+        label = f"step {self.step} {what}"
+        if label not in self.got:
+            self.got[label] = gate(label)
+        return self.got[label]
 
 
 def train(
     student: ModuleType,
     state: dict[str, Tensor],
-    tokens: Tensor,
-    targets: Tensor,
+    rows: int,
     optimizer_name: str,
     dtype: str,
     steps: int,
 ) -> dict[str, Any]:
-    """``steps`` steps of training on this rank's batch; what the rank saw at each."""
+    """``steps`` steps of training on this rank's ``rows`` rows; what the rank saw at each.
+
+    The wrapper is given a stand-in of the tokens' shape (zeros): the embedding takes the
+    step's real tokens at the gate "step s tokens" as its forward starts."""
     net = build(state)
     model = student.FullyShardedDataParallel(net, compute_dtype=DTYPES[dtype])
-    _mark_layers(net)
+    gates = _Gates()
+    net.embed.register_forward_pre_hook(lambda *_: (gates("tokens").long(),))
+    scale_inputs(net, lambda i: float(gates(SHARDED[i])))
     opt = optimizer(optimizer_name, model.parameters())
+    stand_in = torch.zeros(rows, SEQ, dtype=torch.long)
     seen: dict[str, Any] = {"grads": [], "after_forward": [], "at_rest": [_shapes(net)]}
-    for _ in range(steps):
-        mark("forward")
-        logits = model(tokens)
+    for step in range(1, steps + 1):
+        gates.step = step
+        logits = model(stand_in)
         seen["after_forward"].append(_shapes(net))
-        mark("backward")
-        loss_of(logits, targets).backward()
-        mark("finish")
+        loss_of(logits, gates("targets").long()).backward()
         model.finish_gradient_synchronization()
-        mark("step")
         seen["grads"].append(_grads(net))
+        lr = float(gates("lr"))
+        for group in opt.param_groups:
+            group["lr"] = lr
         opt.step()
         opt.zero_grad()
         seen["at_rest"].append(_shapes(net))
-    mark("gather")
     full = model.gather_full_params()
     seen["full"] = (
         {k: v.detach().clone() for k, v in full.items()} if isinstance(full, dict) else None

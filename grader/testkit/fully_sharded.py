@@ -3,28 +3,41 @@
 The model's initial state and batch from the secret seed, the shard arithmetic of FSDP's
 flat, padded layout (``ceil(numel/p)`` elements a rank), the one-process oracle with the
 compute dtype's casts where FSDP makes them (cached per optimizer and dtype), the relative
-error and uniform factor of a result, and the reading of the broker's record of one step:
-its events by phase and layer, the parameter each all-gather carries a shard of, and the
-rules of the order and size of the gathers.
+error and uniform factor of a result, the gates that hand each step what it needs, and the
+reading of the broker's record of the first step: its events by phase and layer (placed by
+the gates, never by a mark), the parameter each all-gather carries a shard of (identified by
+what it carries, against the shards computed here), what each reduce-scatter carries against
+the rank's local gradients, and the rules of the order and size of the gathers.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from grader.broker.traffic import Event
+from grader.broker.ops import Gate
+from grader.broker.traffic import Event, Traffic
 from grader.judge.call import CallResult
 from grader.scenarios import fully_sharded as scenario
-from grader.scenarios.fully_sharded import DTYPES, SHARDED, Net, build, loss_of, optimizer
-from grader.testkit.compare import require
+from grader.scenarios.fully_sharded import (
+    DTYPES,
+    SEQ,
+    SHARDED,
+    Net,
+    build,
+    loss_of,
+    optimizer,
+    scale_inputs,
+)
+from grader.testkit.compare import carried, require
 from grader.testkit.data import generator
 
-ROWS, SEQ, STEPS = 12, 5, 3  # ROWS: the batch, split evenly over 1, 2, 3 or 4 ranks
+ROWS, STEPS = 12, 3  # ROWS: the batch, split evenly over 1, 2, 3 or 4 ranks
+BASE_LR = {"sgd": 0.2, "adamw": 0.02}
 
 
 def initial_state() -> dict[str, Tensor]:
@@ -45,6 +58,34 @@ def batch() -> tuple[Tensor, Tensor]:
     gen = generator("fully_sharded/batch")
     tokens = torch.randint(0, scenario.VOCAB, (ROWS, SEQ), generator=gen)
     return tokens, torch.randint(0, scenario.VOCAB, (ROWS, SEQ), generator=gen)
+
+
+def factors() -> dict[int, float]:
+    """The factor on the input of each sharded layer after the embedding, from the secret seed."""
+    gen = generator("fully_sharded/factors")
+    return {i: 0.75 + 0.5 * float(torch.rand((), generator=gen)) for i in range(1, len(SHARDED))}
+
+
+def learning_rate(optimizer_name: str) -> float:
+    """The step's learning rate, about the optimizer's usual one, from the secret seed."""
+    gen = generator(f"fully_sharded/lr/{optimizer_name}")
+    return BASE_LR[optimizer_name] * (0.8 + 0.4 * float(torch.rand((), generator=gen)))
+
+
+def gates(p: int, r: int, optimizer_name: str) -> list[Gate]:
+    """Rank ``r``'s gates, in the order its steps pass them: the tokens as the embedding starts,
+    each later layer's factor as it starts, the targets at the loss, the learning rate at the
+    optimizer's step (:func:`grader.scenarios.fully_sharded.train`)."""
+    tokens, targets = (t[rows(p, r)] for t in batch())
+    lr = torch.tensor([learning_rate(optimizer_name)])
+    out = []
+    for step in range(1, STEPS + 1):
+        out.append(Gate.handing(f"step {step} tokens", tokens))
+        for i, f in factors().items():
+            out.append(Gate.handing(f"step {step} {SHARDED[i]}", torch.tensor([f])))
+        out.append(Gate.handing(f"step {step} targets", targets))
+        out.append(Gate.handing(f"step {step} lr", lr))
+    return out
 
 
 def rows(p: int, r: int) -> slice:
@@ -74,8 +115,8 @@ class _Cast(nn.Module):
         return weight.to(self.dtype)
 
 
-def oracle(optimizer_name: str, dtype: str) -> dict[str, Any]:
-    """One process, the whole batch: the gradients at each step and the final parameters."""
+def _model(dtype: str) -> nn.Module:
+    """The model at its initial state, cast where FSDP casts to ``dtype``, with the factors."""
     net = build(initial_state())
     compute = DTYPES[dtype]
     if compute is not None:
@@ -90,8 +131,17 @@ def oracle(optimizer_name: str, dtype: str) -> dict[str, Any]:
                     a.to(c) if a.is_floating_point() else a for a in args
                 )
             )
+    scale_inputs(net, factors().__getitem__)
+    return net
+
+
+def oracle(optimizer_name: str, dtype: str) -> dict[str, Any]:
+    """One process, the whole batch: the gradients at each step and the final parameters."""
+    net = _model(dtype)
     params = dict(_plain_names(net))
     opt = optimizer(optimizer_name, list(params.values()))
+    for group in opt.param_groups:
+        group["lr"] = learning_rate(optimizer_name)
     tokens, targets = batch()
     grads = []
     for _ in range(STEPS):
@@ -100,6 +150,14 @@ def oracle(optimizer_name: str, dtype: str) -> dict[str, Any]:
         opt.step()
         opt.zero_grad()
     return {"grads": grads, "full": {k: v.detach().clone() for k, v in params.items()}}
+
+
+def local_grads(dtype: str, p: int, r: int) -> dict[str, Tensor]:
+    """Rank ``r``'s own gradients in the first step: the loss on its rows alone."""
+    net = _model(dtype)
+    tokens, targets = (t[rows(p, r)] for t in batch())
+    loss_of(net(tokens), targets).backward()
+    return {k: v.grad.detach().clone() for k, v in _plain_names(net)}
 
 
 def _plain_names(net: nn.Module) -> list[tuple[str, nn.Parameter]]:
@@ -151,27 +209,43 @@ def mean_factor(got: Tensor, want: Tensor) -> float:
 # -- the broker's record ---------------------------------------------------------------------
 
 
-def phases(events: Sequence[Event]) -> dict[str, list[tuple[str, Event]]]:
-    """The rank's events of the first step, by phase, each with the last layer mark before it."""
-    out: dict[str, list[tuple[str, Event]]] = {"forward": [], "backward": [], "finish": []}
-    phase, layer = "", ""
-    for e in events:
-        if e.op == "mark":
-            if e.at in out:
-                phase, layer = e.at, ""
-            elif e.at == "step":
-                break
-            else:
-                layer = e.at
-                out.setdefault(phase, []).append((layer, e))
-            continue
-        if phase in out:
-            out[phase].append((layer, e))
-    return out
+@dataclass(frozen=True)
+class FirstStep:
+    """A rank's operations in the first step, placed by its gates: ``starts[i]`` operations
+    came before sharded layer ``i`` had what its forward needs (the tokens, or its factor);
+    the backward is from the targets and the last layer's start on, to the learning rate."""
+
+    events: list[Event]  # the step's operations, marks left out
+    starts: list[int]
+    backward_from: int
+
+    @property
+    def forward(self) -> list[Event]:
+        return self.events[: self.backward_from]
+
+    @property
+    def backward(self) -> list[Event]:
+        return self.events[self.backward_from :]
+
+
+def first_step(traffic: Traffic, r: int) -> FirstStep:
+    """Rank ``r``'s first step as its gates place it; fails if a gate was never passed."""
+    passed = {g.label: g.after for g in traffic.gates[r]}
+    labels = ["tokens", *SHARDED[1:], "targets", "lr"]
+    lacking = [f"step 1 {what}" for what in labels if f"step 1 {what}" not in passed]
+    require(not lacking, f"the first step never passed the grader's gate {lacking[:1]}")
+    events = traffic.per_rank[r]
+
+    def operations_before(what: str) -> int:
+        return sum(e.op != "mark" for e in events[: passed[f"step 1 {what}"]])
+
+    starts = [operations_before(what) for what in labels[: len(SHARDED)]]
+    steps = [e for e in events[: passed["step 1 lr"]] if e.op != "mark"]
+    return FirstStep(steps, starts, max(operations_before("targets"), starts[-1]))
 
 
 def gathered(e: Event, p: int, itemsize: dict[str, int]) -> str | None:
-    """The sharded parameter whose one shard an all-gather carries (sizes are all distinct)."""
+    """The sharded parameter whose one shard an all-gather's size is (sizes are all distinct)."""
     size = itemsize.get(e.dtype, 0)
     for name in SHARDED_PARAMS:
         if size and e.nbytes == shard_size(name, p) * size:
@@ -180,37 +254,64 @@ def gathered(e: Event, p: int, itemsize: dict[str, int]) -> str | None:
 
 
 ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
+RECORD = " (the broker's record of what it carried)"
+
+
+def shard_problem(e: Event, name: str, p: int, r: int, dtype: str, phase: str) -> str | None:
+    """Why the all-gather of ``name``'s size does not carry rank ``r``'s shard of it, as the
+    first step gathers it (the initial values, cast to the compute dtype), or None."""
+    want = padded_shard(initial_state()[name], p, r).to(DTYPES[dtype] or torch.float32)
+    if torch.equal(carried(e), want.double()):
+        return None
+    return (
+        f"the {phase}'s all-gather at {e.at or '?'} is the size of {name}'s shard but does not "
+        f"carry this rank's shard of it{RECORD}: gather the flat shard [r*s, (r+1)*s) of the "
+        "padded parameter, as it is, in the compute dtype"
+    )
+
+
+def scatter_problem(e: Event, p: int, r: int, dtype: str, tol: float) -> str | None:
+    """Why a reduce-scatter does not carry rank ``r``'s local gradient of one sharded parameter
+    (flat, zero-padded to p*s; as it is, or divided by p), or None."""
+    size = e.nbytes // 4
+    names = [n for n in SHARDED_PARAMS if shard_size(n, p) * p == size]
+    values, local = carried(e), local_grads(dtype, p, r)
+    for name in names:
+        want = torch.zeros(size, dtype=torch.float64)
+        want[: NUMEL[name]] = local[name].double().reshape(-1)
+        if any(within(values, c * want, tol)[0] for c in (1.0, 1.0 / p)):
+            return None
+    of = f"{names[0]}'s size" if names else f"{size} elements"
+    return (
+        f"the reduce-scatter at {e.at or '?'} ({of}) does not carry this rank's own gradient "
+        f"of that parameter{RECORD}: reduce-scatter each sharded parameter's local gradient, "
+        "flat and zero-padded to p*s elements"
+    )
 
 
 def check_record(out: CallResult, r: int, p: int, dtype: str, kind: str) -> dict[str, Any]:
     """The broker's facts for rank ``r``; fails with the first broken rule of ``kind``."""
-    events = out.traffic.per_rank[r]
-    by_phase = phases(events)
-    want_dtype = dtype
+    step = first_step(out.traffic, r)
     layer_of = {n: SHARDED.index(n.split(".")[0]) for n in SHARDED_PARAMS}
-    fwd = [(mark, e) for mark, e in by_phase["forward"] if e.op != "mark"]
-    bwd = [(mark, e) for mark, e in by_phase["backward"] if e.op != "mark"]
-    for phase, items in (("forward", fwd), ("backward", bwd)):
-        for _, e in items:
+    for phase, events in (("forward", step.forward), ("backward", step.backward)):
+        for e in events:
             if e.op != "all_gather":
                 continue
             name = gathered(e, p, ITEMSIZE)
             require(
-                name is not None and e.dtype == want_dtype,
+                name is not None and e.dtype == dtype,
                 f"the {phase}'s all-gather at {e.at or '?'} carries {e.nbytes} bytes of "
                 f"{e.dtype}: each gather must carry exactly one shard of one sharded parameter "
-                f"in the compute dtype ({want_dtype})"
-                + (", cast BEFORE communicating" if e.dtype != want_dtype else ""),
+                f"in the compute dtype ({dtype})"
+                + (", cast BEFORE communicating" if e.dtype != dtype else ""),
             )
-    # Every layer's forward is preceded by the gathers of its parameters.
+            problem = shard_problem(e, name, p, r, dtype, phase)  # type: ignore[arg-type]
+            require(problem is None, str(problem))
+    # Every layer's forward starts after the gathers of its parameters.
     done: list[str] = []
-    seen_layers = []
-    for mark, e in by_phase["forward"]:
-        if e.op == "mark":
-            i = int(mark.split()[-1])
-            seen_layers.append(i)
-            mine = [n for n in SHARDED_PARAMS if layer_of[n] == i]
-            lacking = [n for n in mine if n not in done]
+    for position, e in enumerate([*step.forward, None]):
+        for i in (i for i, start in enumerate(step.starts) if start == position):
+            lacking = [n for n in SHARDED_PARAMS if layer_of[n] == i and n not in done]
             require(
                 not lacking,
                 f"{SHARDED[i]} computed its forward before {', '.join(lacking)} was gathered",
@@ -223,9 +324,8 @@ def check_record(out: CallResult, r: int, p: int, dtype: str, kind: str) -> dict
                     f"{', '.join(SHARDED[j] for j in sorted(ahead))} are gathered already: "
                     "prefetch at most two layers ahead, not everything up front",
                 )
-        elif e.op == "all_gather":
+        if e is not None and e.op == "all_gather":
             done.append(gathered(e, p, ITEMSIZE) or "?")
-    require(seen_layers == list(range(len(SHARDED))), "the grader's layer marks are missing")
     order = [layer_of[n] for n in done if n in layer_of]
     if kind == "communication":
         require(
@@ -234,10 +334,7 @@ def check_record(out: CallResult, r: int, p: int, dtype: str, kind: str) -> dict
             "in forward order",
         )
     # Every Linear's backward is preceded by its weight's gather, in reverse order.
-    back: list[str] = []
-    for _, e in by_phase["backward"]:
-        if e.op == "all_gather":
-            back.append(gathered(e, p, ITEMSIZE) or "?")
+    back = [gathered(e, p, ITEMSIZE) or "?" for e in step.backward if e.op == "all_gather"]
     linear_weights = [f"{m}.weight" for m in SHARDED if m != "embed"]
     missing = [n for n in linear_weights if n not in back]
     require(

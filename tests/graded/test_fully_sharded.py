@@ -3,9 +3,12 @@
 The ranks run :func:`grader.scenarios.fully_sharded.train`: the same small model (an Embedding,
 two norms, three Linear layers; no parameter size divides by every p, so the padding matters)
 is built on every rank from a state made here, wrapped, and trained 3 steps on the rank's slice
-of the batch. The oracle is the very same module trained here on one process on the whole batch,
-with the compute dtype's casts where FSDP makes them (weights and the sharded layers' floating
-inputs cast to it, the loss in float32).
+of the batch, which it gets only through the broker's gates (the tokens as the embedding starts,
+a factor on each later sharded layer's input as it starts, the targets at the loss, the learning
+rate at the optimizer's step): the gates place every all-gather and reduce-scatter of the first
+step, and no mark is read. The oracle is the very same module trained here on one process on the
+whole batch, with the compute dtype's casts where FSDP makes them (weights and the sharded
+layers' floating inputs cast to it, the loss in float32) and the same factors.
 
 - ``training``: SGD and AdamW, float32 and ``compute_dtype`` float16 and bfloat16: the gathered
   parameters after 3 steps against the oracle's, within ``tolerance`` of grading.yaml (relative
@@ -18,13 +21,15 @@ inputs cast to it, the loss in float32).
   rank's ``[s]`` shard of the mean gradient in the padded layout (padding zero), float32 even
   with a float16 compute dtype; every replicated ``.grad`` the mean, the same on every rank.
 - ``memory_at_rest`` (schedule): the broker's record shows every all-gather carrying exactly one
-  shard of one sharded parameter (never a full weight, never everything at once), each layer's
-  forward preceded by the gather of its parameters, and each Linear's backward by a gather again;
+  shard of one sharded parameter, this rank's, compared with the shard computed here (never a
+  full weight, never everything at once), each layer's forward preceded by the gather of its
+  parameters, and each Linear's backward by a gather again;
   the rank-side view of the module (the parameters' shapes after forward and between steps) can
   fail this test, never pass it alone.
 - ``communication``: from the broker's record: the forward's gathers in forward order, at most
   two layers ahead of the layer computing; the backward's in reverse order; one float32
-  reduce-scatter of ``p*s`` elements per sharded parameter; the replicated gradients all-reduced;
+  reduce-scatter of ``p*s`` elements per sharded parameter, carrying this rank's own gradient of
+  it (against the gradient of its rows computed here); the replicated gradients all-reduced;
   the bytes moved within ``max_bytes_ratio`` of the bound (all-gather, all-gather of the Linear
   weights, reduce-scatter: about 3(p-1)/p of the sharded bytes, the gathers in the compute
   dtype, plus 2(p-1)/p of the replicated bytes).
@@ -45,16 +50,17 @@ from grader.testkit.fully_sharded import (
     ITEMSIZE,
     NUMEL,
     REPLICATED,
+    ROWS,
     SHARDED_PARAMS,
     STEPS,
-    batch,
     check_record,
     expected,
+    first_step,
+    gates,
     initial_state,
     mean_factor,
     padded_shard,
-    phases,
-    rows,
+    scatter_problem,
     shard_size,
     within,
 )
@@ -67,13 +73,16 @@ CASES = [f"{opt}-{dtype}" for opt in ("sgd", "adamw") for dtype in DTYPES]
 
 
 def train_call(world: World, optimizer_name: str, dtype: str, case: str) -> CallResult:
-    p, (tokens, targets) = world.size, batch()
-    state = initial_state()
-    args = [
-        (state, tokens[rows(p, r)], targets[rows(p, r)], optimizer_name, dtype, STEPS)
-        for r in range(p)
-    ]
-    return world.call(scenario="fully_sharded.train", args=args, case=case)
+    """Every rank trains its rows; its tokens, targets, factors and learning rate come through
+    its gates."""
+    p, state = world.size, initial_state()
+    args = [(state, ROWS // p, optimizer_name, dtype, STEPS) for _ in range(p)]
+    return world.call(
+        scenario="fully_sharded.train",
+        args=args,
+        case=case,
+        gates=[gates(p, r, optimizer_name) for r in range(p)],
+    )
 
 
 @pytest.mark.graded(target="fully_sharded.FullyShardedDataParallel", kind="correctness")
@@ -206,9 +215,8 @@ def test_communication(world: World, options: TestOptions, record: TestRecord, d
 
     def check(r: int) -> None:
         check_record(out, r, p, dtype, "communication")
-        by_phase = phases(out.traffic.per_rank[r])
-        scatters = [e for phase in ("backward", "finish") for _, e in by_phase[phase]
-                    if e.op == "reduce_scatter"]  # fmt: skip
+        step = first_step(out.traffic, r)
+        scatters = [e for e in step.backward if e.op == "reduce_scatter"]
         for e in scatters:
             require(
                 e.dtype == "float32",
@@ -217,8 +225,7 @@ def test_communication(world: World, options: TestOptions, record: TestRecord, d
             )
         sizes = sorted(e.nbytes for e in scatters)
         want = sorted(shard_bytes[n] * p * 4 for n in SHARDED_PARAMS)
-        reduced = [e.nbytes for phase in ("backward", "finish") for _, e in by_phase[phase]
-                   if e.op == "all_reduce" and e.nbytes in want]  # fmt: skip
+        reduced = [e.nbytes for e in step.backward if e.op == "all_reduce" and e.nbytes in want]
         in_full = (
             "; the sharded gradients are all-reduced in full: reduce-scatter them, a rank "
             "needs only its shard's sum"
@@ -230,8 +237,10 @@ def test_communication(world: World, options: TestOptions, record: TestRecord, d
             f"the reduce-scatters carry {sizes} bytes; expected one per sharded parameter, "
             f"its padded gradient of p*s float32 elements: {want}{in_full}",
         )
-        step = [e for phase in by_phase.values() for _, e in phase if e.op != "mark"]
-        total = sum(moved(e) for e in step)
+        for e in scatters:
+            problem = scatter_problem(e, p, r, dtype, options.tolerance_for(dtype))
+            require(problem is None, str(problem))
+        total = sum(moved(e) for e in step.events)
         record.details.setdefault("bytes", {})[r] = total
         record.details["bound"] = bound
         require(

@@ -102,3 +102,24 @@ def test_indivisible_parameter_count(grade) -> None:
     graded = grade("fsdp_assumes_divisible", PART, k="sgd-float32", world_sizes=(2,))
     disagree = "the ranks disagree on a collective: rank 0 calls all_gather of "
     failed_because(graded, "training[sgd-float32]", disagree, outcome="error")
+
+
+def test_decoy_gathers_in_the_backward_carry_no_shard(grade) -> None:
+    """Full weights kept for backward, zeros of each shard's size gathered in reverse order
+    where the reference gathers: the sizes and the order are right, the content is not."""
+    graded = grade("fsdp_decoy_gathers", PART, k="]", world_sizes=(2,))
+    decoy = (
+        " in _decoy is the size of head.weight's shard but does not carry this rank's shard "
+        "of it (the broker's record of what it carried)"
+    )
+    for name in ("memory_at_rest[float32]", "memory_at_rest[bfloat16]", "communication[float32]"):
+        failed_because(graded, name, decoy)
+    assert graded.outcome("training[sgd-float32]", 2) == "passed"
+
+
+def test_forged_layer_marks_do_not_place_the_gathers(grade) -> None:
+    """Every layer gathered up front, with the marks an earlier grader read posted after each
+    layer's gathers: the gates where the layers take their inputs place them."""
+    graded = grade("fsdp_forged_marks", PART, k="float32]", world_sizes=(2,))
+    assert graded.outcome("memory_at_rest[float32]", 2) == "passed"
+    failed_because(graded, "communication[float32]", "prefetch at most two layers ahead")
