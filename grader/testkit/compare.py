@@ -214,4 +214,6 @@ def on_every_rank(p: int, check: Callable[[int], None]) -> None:
 def carried(event: Event) -> torch.Tensor:
     """The tensor a collective's input carried, as the broker received it, in float64."""
     dtype = getattr(torch, event.dtype or "float32")
+    if not event.payload:  # frombuffer refuses an empty buffer
+        return torch.zeros(0, dtype=torch.float64)
     return torch.frombuffer(bytearray(event.payload), dtype=dtype).double()

@@ -19,8 +19,10 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from grader.broker.traffic import Event
 from grader.scenarios.expert_parallel import MoE, build_moe, identity_experts
 from grader.testkit import rank_tensor
+from grader.testkit.compare import carried
 
 D, D_FF = 8, 16
 TOKENS = (5, 1, 8, 3)  # T_r: different on every rank; rank 1 has a single token
@@ -126,6 +128,7 @@ class Oracle:
     kept: Tensor  # [p, E]: pairs of rank i that expert e keeps
     state: dict[str, Tensor]  # the layer, as drawn here
     xs: list[Tensor]  # every rank's tokens, as drawn here
+    upstream: list[Tensor]  # every rank's gradient of its outputs, as drawn here
 
 
 def oracle(case: Case, state: dict[str, Tensor], xs: list[Tensor], gs: list[Tensor]) -> Oracle:
@@ -162,6 +165,7 @@ def oracle(case: Case, state: dict[str, Tensor], xs: list[Tensor], gs: list[Tens
         kept_pairs(case, moe, xs),
         state,
         xs,
+        gs,
     )
 
 
@@ -202,3 +206,74 @@ def rank_major_taken_as_expert_major(case: Case, want: Oracle) -> list[Tensor]:
             for (i, t, g), e in zip(arrived, runs, strict=True):
                 outputs[i][t] += g * moe.experts[e](xs[i][t])
     return [y.float() for y in outputs]
+
+
+ROW_PASSES = ("dispatch", "combine", "backward's dispatch", "backward's combine")
+
+
+def rows_carried(case: Case, want: Oracle) -> list[list[list[Tensor]]]:
+    """``[r][k][j]``: the values rank r's k-th all-to-all of token rows must carry to rank j
+    (:data:`ROW_PASSES`), flat in float64, in any order: the dispatch sends each kept pair's
+    token row to its expert's rank, the combine returns the expert's output for it, and
+    backward mirrors both: the gradient of that output (the gate times the token's upstream
+    gradient) goes to the expert's rank, the gradient of the token row comes back."""
+    moe = build_moe(want.state, case.num_experts, case.top_k).double()
+    if case.identity:
+        identity_experts(moe)
+    n, p = case.num_experts // case.p, case.p
+    out = [[[[] for _ in range(p)] for _ in ROW_PASSES] for _ in range(p)]
+    for i, (x, g) in enumerate(zip(want.xs, want.upstream, strict=True)):
+        x, g = x.double(), g.double()
+        with torch.no_grad():
+            experts, gates = moe.route(x)
+        for e in range(case.num_experts):
+            tokens, slots = (experts == e).nonzero(as_tuple=True)
+            tokens, slots = tokens[: int(want.kept[i, e])], slots[: int(want.kept[i, e])]
+            if not len(tokens):
+                continue
+            rows = x[tokens].clone().requires_grad_()
+            y = moe.experts[e](rows)
+            grad_y = gates[tokens, slots, None] * g[tokens]
+            (grad_x,) = torch.autograd.grad(y, rows, grad_y)
+            owner = e // n
+            for k, (sender, to, values) in enumerate(
+                [(i, owner, rows), (owner, i, y), (i, owner, grad_y), (owner, i, grad_x)]
+            ):
+                out[sender][k][to].append(values.detach().reshape(-1))
+    return [
+        [[torch.cat(v) if v else torch.zeros(0, dtype=torch.float64) for v in to] for to in passes]
+        for passes in out
+    ]
+
+
+WHAT_ROWS = (
+    "the token rows of its kept pairs routed to that rank's experts",
+    "its experts' outputs for the rows that rank dispatched to them (the gate is applied "
+    "where the token lives)",
+    "the gradients of the outputs that rank's experts computed for this rank's tokens (the "
+    "gate times the token's upstream gradient)",
+    "the gradients of the rows that rank dispatched to its experts",
+)
+
+
+def rows_problem(case: Case, events: list[Event], expected: list[list[Tensor]]) -> str | None:
+    """Why a rank's all-to-alls of token rows (dispatch, combine, then their mirrors in
+    backward) do not carry, to each rank, the values :func:`rows_carried` computed, as
+    multisets (sorted: the order within a piece is the rank's choice); or None. A piece of the
+    right size holding anything else is a wrong message."""
+    for k, (event, to_each) in enumerate(zip(events, expected, strict=True)):
+        values, start = carried(event), 0
+        itemsize = getattr(torch, event.dtype or "float32").itemsize
+        for j, (size, want) in enumerate(zip(event.pieces, to_each, strict=True)):
+            got, start = values[start : start + size // itemsize], start + size // itemsize
+            scale = max(1.0, float(want.abs().max()) if want.numel() else 0.0)
+            if got.shape == want.shape and torch.allclose(
+                got.sort().values, want.sort().values, rtol=1e-4, atol=1e-5 * scale
+            ):
+                continue
+            return (
+                f"its {ROW_PASSES[k]} all-to-all sent rank {j} {got.numel()} values that are "
+                f"not {WHAT_ROWS[k]} (the broker's record of what it carried, compared as a "
+                "multiset)"
+            )
+    return None

@@ -21,7 +21,9 @@ the (i + r)-th expert in play, so every rank's experts get rows from several ran
 - ``communication``: from the broker's record of every rank's operations (its own count of
   the bytes it carried): at p = 1 nothing; otherwise counts (integers) before any token row,
   no tokens all-gathered, broadcast or all-reduced, the dispatch and combine exactly the kept
-  pairs' rows each way (see :func:`row_bytes`), and the router's gradients all-reduced.
+  pairs' rows each way (see :func:`row_bytes`), each piece holding what it must (the token
+  rows, the experts' outputs, and their gradients in backward, computed here and compared as
+  multisets: :func:`grader.testkit.moe.rows_carried`), and the router's gradients all-reduced.
 """
 
 from __future__ import annotations
@@ -54,6 +56,8 @@ from grader.testkit.moe import (
     draw_tokens,
     oracle,
     rank_major_taken_as_expert_major,
+    rows_carried,
+    rows_problem,
 )
 
 TERMS = 4 * (D + D_FF)  # rounding terms behind an output or gradient element
@@ -228,9 +232,9 @@ def is_count(event: Event) -> bool:
     return event.dtype in COUNT_DTYPES
 
 
-def check_traffic(case: Case, out: CallResult, kept: Tensor, rank: int, router_bytes: int) -> None:
+def check_traffic(case: Case, out: CallResult, want: Oracle, rank: int, router_bytes: int) -> None:
     events = [e for e in out.traffic.per_rank[rank] if e.op != "mark"]
-    what = case.describe()
+    what, kept = case.describe(), want.kept
     if case.p == 1:
         listed = ", ".join(sorted({e.op for e in events}))
         require(not events, f"{what}: on one rank there is nobody to talk to, yet it made {listed}")
@@ -287,6 +291,9 @@ def check_traffic(case: Case, out: CallResult, kept: Tensor, rank: int, router_b
         f"{[dispatch, combine, dispatch, combine]}: to each rank exactly the rows routed to its "
         "experts, and the combine its mirror",
     )
+    rows = [e for e in data if e.op == "all_to_all"]
+    problem = rows_problem(case, rows, rows_carried(case, want)[rank])
+    require(problem is None, f"{what}: {problem}")
 
 
 def check_messages(case: Case, out: CallResult, kept: Tensor, rank: int) -> None:
@@ -322,4 +329,4 @@ def test_communication(world: World, record: TestRecord, capacity: str) -> None:
     record.details["dispatch_bytes_sent"] = sent
     record.details["dispatch_bytes_received"] = received
     router_bytes = (case.num_experts * D + case.num_experts) * 4
-    on_every_rank(case.p, lambda r: check_traffic(case, out, want.kept, r, router_bytes))
+    on_every_rank(case.p, lambda r: check_traffic(case, out, want, r, router_bytes))

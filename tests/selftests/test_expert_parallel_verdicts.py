@@ -178,3 +178,17 @@ def test_every_secret_gives_the_prescribed_routing() -> None:
                         if case.top_k < case.num_experts:
                             ranked = row.sort(descending=True).values
                             assert ranked[case.top_k - 1] - ranked[case.top_k] > MARGIN, case
+
+
+def test_a_combine_of_zeros_earns_no_communication_points(grade) -> None:
+    """The home rank runs its tokens' experts on its own copy and the forward's combine
+    carries zeros of the right size: the outputs, gradients and split sizes are right, the
+    content is not."""
+    graded = grade("ep_decoy_combine", PART, world_sizes=(2,))
+    failed, _ = verdicts(graded, 2)
+    assert failed == {n for n in ALL if n.startswith("communication")}
+    message = graded.message("communication[capacity_factor=None]", 2)
+    assert ": its combine all-to-all sent rank 0 " in message  # how many: the draw's
+    assert " values that are not its experts' outputs for the rows that rank dispatched " in (
+        message
+    )
