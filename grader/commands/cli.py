@@ -23,8 +23,10 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import shutil
 import signal
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -52,7 +54,24 @@ EXIT_INTERRUPTED = 130
 LOG_WIDTH = 200
 
 
+TORCH_CACHE = "TORCHINDUCTOR_CACHE_DIR"
+
+
 def main(argv: list[str] | None = None) -> int:
+    """The command line. torch makes its compiler's cache directory in ``$TMPDIR`` as soon as
+    ``torch._dynamo`` is imported (an optimizer's first step imports it, and the trusted
+    side's oracles step optimizers): unless one was chosen, the grader's is a temporary
+    directory of its own, removed when it exits, so that grading leaves nothing in ``/tmp``."""
+    if TORCH_CACHE in os.environ:
+        return _main(argv)
+    os.environ[TORCH_CACHE] = tempfile.mkdtemp(prefix="grader-torch-cache-")
+    try:
+        return _main(argv)
+    finally:
+        shutil.rmtree(os.environ.pop(TORCH_CACHE), ignore_errors=True)
+
+
+def _main(argv: list[str] | None) -> int:
     console = make_console()
     try:
         args, extra = parser().parse_known_args(argv)

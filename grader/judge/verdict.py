@@ -58,7 +58,8 @@ Timeline = list[list[Cell]]  # one row of cells per rank
 
 @dataclass(frozen=True)
 class Schedule:
-    """A pipeline schedule test's timelines: what the ranks did, and what the schedule says."""
+    """A pipeline schedule test's timelines: the order of work the broker's record shows on
+    each stage, and what the schedule says."""
 
     actual: Timeline
     expected: Timeline

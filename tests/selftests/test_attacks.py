@@ -17,6 +17,7 @@ import os
 import time
 from pathlib import Path
 
+import pytest
 from runner import REPO, SUBMISSIONS, materialize, run_grader
 
 from grader.protocol import MAX_TEXT
@@ -45,12 +46,12 @@ def _leftovers(scratch: Path) -> set[str]:
     return found
 
 
-def _grade(tmp_path: Path, submission: Path, *args: str) -> dict:
+def _grade(tmp_path: Path, submission: Path, *args: str, part: str = "collectives") -> dict:
     """Grade in ``tmp_path``; the grader's own temporary files go to ``tmp_path/tmp``."""
     scratch = tmp_path / "tmp"
     scratch.mkdir(exist_ok=True)
     done = run_grader(
-        ["--config", str(REPO / "tests/graded/grading.yaml"), "run", "collectives",
+        ["--config", str(REPO / "tests/graded/grading.yaml"), "run", part,
          "--submission", str(submission), "--results", "results.json", *args],
         cwd=tmp_path,
         env={"TMPDIR": str(scratch)},
@@ -140,3 +141,32 @@ def test_what_the_trusted_side_checks_cannot_be_fooled(tmp_path: Path) -> None:
     assert replayed["outcome"] == "passed"
     assert replayed["time_ratio"] >= 1.0  # its tokens on top of the reference's own ring
     assert graded["tests"] and _leftovers(tmp_path / "tmp") == set()
+
+
+# The attacks on the strategy parts' verdicts (each with its own test of the words, in the
+# part's verdict tests): the part, and the tests it attacks, which it must not earn.
+STRATEGY_ATTACKS = {
+    "dp_decoy_overlap": ("data_parallel", "overlap"),
+    "zero_hidden_unsharded": ("data_parallel", "sharded_optimizer_state"),
+    "zero_decoy_broadcasts": ("data_parallel", "sharded_optimizer_state"),
+    "tp_mlp_decoy": ("tensor_parallel", "parallel_mlp_communication"),
+    "tp_early_gate": ("tensor_parallel", "parallel_mlp_communication"),
+    "pp_forged_timeline": ("pipeline_parallel", "one_f_one_b_schedule"),
+    "pp_asked_early": ("pipeline_parallel", "schedule"),
+    "fsdp_decoy_gathers": ("fully_sharded", "communication"),
+    "fsdp_forged_marks": ("fully_sharded", "communication"),
+    "ep_decoy_combine": ("expert_parallel", "communication"),
+}
+
+
+@pytest.mark.parametrize("attack", sorted(STRATEGY_ATTACKS))
+def test_strategy_attacks_earn_nothing_and_leave_nothing_behind(
+    tmp_path: Path, attack: str
+) -> None:
+    part, attacked = STRATEGY_ATTACKS[attack]
+    submission = materialize(attack, tmp_path / "subs")
+    results = _grade(tmp_path, submission, "-k", attacked, "--world-size", "2", part=part)
+    assert results["tests"], results
+    for test in results["tests"]:
+        assert test["score"] == 0, (test["name"], test["output"])
+    assert _leftovers(tmp_path / "tmp") == set()
