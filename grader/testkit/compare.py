@@ -217,3 +217,11 @@ def carried(event: Event) -> torch.Tensor:
     if not event.payload:  # frombuffer refuses an empty buffer
         return torch.zeros(0, dtype=torch.float64)
     return torch.frombuffer(bytearray(event.payload), dtype=dtype).double()
+
+
+def nearest(values: torch.Tensor, pool: torch.Tensor) -> torch.Tensor:
+    """For each of ``values``, the index of the value nearest it in ``pool`` (sorted, not
+    empty): one of the two around where it would be inserted."""
+    above = torch.searchsorted(pool, values).clamp(max=len(pool) - 1)
+    below = (above - 1).clamp(min=0)
+    return torch.where((pool[below] - values).abs() < (pool[above] - values).abs(), below, above)

@@ -20,7 +20,7 @@ from grader.broker.ops import Gate
 from grader.broker.traffic import Event
 from grader.judge.call import CallResult
 from grader.scenarios.data_parallel import DIM, TiedNet, build, tensors_of
-from grader.testkit.compare import carried
+from grader.testkit.compare import carried, nearest
 from grader.testkit.data import generator
 from grader.testkit.explain import close, close_in_float32, difference, uniform_factor
 
@@ -342,11 +342,8 @@ def carried_problem(out: CallResult, rank: int, full: list) -> str | None:
 
 
 def _among(values: Tensor, pool: Tensor) -> bool:
-    """Every one of ``values`` is within float32 rounding of some value in ``pool`` (sorted):
-    the nearest in ``pool`` is one of the two around where the value would be inserted."""
+    """Every one of ``values`` is within float32 rounding of some value in ``pool`` (sorted)."""
     if pool.numel() == 0:
         return values.numel() == 0
-    at = torch.searchsorted(pool, values)
-    below, above = pool[(at - 1).clamp(min=0)], pool[at.clamp(max=pool.numel() - 1)]
-    nearest = torch.minimum((below - values).abs(), (above - values).abs())
-    return bool((nearest <= 1e-5 * (1 + values.abs())).all())
+    found = pool[nearest(values, pool)]
+    return bool(((found - values).abs() <= 1e-5 * (1 + values.abs())).all())

@@ -257,10 +257,12 @@ ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
 RECORD = " (the broker's record of what it carried)"
 
 
-def shard_problem(e: Event, name: str, p: int, r: int, dtype: str, phase: str) -> str | None:
+def shard_problem(
+    e: Event, name: str, p: int, r: int, dtype: str, phase: str, initial: dict[str, Tensor]
+) -> str | None:
     """Why the all-gather of ``name``'s size does not carry rank ``r``'s shard of it, as the
-    first step gathers it (the initial values, cast to the compute dtype), or None."""
-    want = padded_shard(initial_state()[name], p, r).to(DTYPES[dtype] or torch.float32)
+    first step gathers it (the ``initial`` values, cast to the compute dtype), or None."""
+    want = padded_shard(initial[name], p, r).to(DTYPES[dtype] or torch.float32)
     if torch.equal(carried(e), want.double()):
         return None
     return (
@@ -270,12 +272,12 @@ def shard_problem(e: Event, name: str, p: int, r: int, dtype: str, phase: str) -
     )
 
 
-def scatter_problem(e: Event, p: int, r: int, dtype: str, tol: float) -> str | None:
-    """Why a reduce-scatter does not carry rank ``r``'s local gradient of one sharded parameter
-    (flat, zero-padded to p*s; as it is, or divided by p), or None."""
+def scatter_problem(e: Event, p: int, local: dict[str, Tensor], tol: float) -> str | None:
+    """Why a reduce-scatter does not carry the rank's ``local`` gradient (:func:`local_grads`)
+    of one sharded parameter (flat, zero-padded to p*s; as it is, or divided by p), or None."""
     size = e.nbytes // 4
     names = [n for n in SHARDED_PARAMS if shard_size(n, p) * p == size]
-    values, local = carried(e), local_grads(dtype, p, r)
+    values = carried(e)
     for name in names:
         want = torch.zeros(size, dtype=torch.float64)
         want[: NUMEL[name]] = local[name].double().reshape(-1)
@@ -291,7 +293,7 @@ def scatter_problem(e: Event, p: int, r: int, dtype: str, tol: float) -> str | N
 
 def check_record(out: CallResult, r: int, p: int, dtype: str, kind: str) -> dict[str, Any]:
     """The broker's facts for rank ``r``; fails with the first broken rule of ``kind``."""
-    step = first_step(out.traffic, r)
+    step, initial = first_step(out.traffic, r), initial_state()
     layer_of = {n: SHARDED.index(n.split(".")[0]) for n in SHARDED_PARAMS}
     for phase, events in (("forward", step.forward), ("backward", step.backward)):
         for e in events:
@@ -305,7 +307,7 @@ def check_record(out: CallResult, r: int, p: int, dtype: str, kind: str) -> dict
                 f"in the compute dtype ({dtype})"
                 + (", cast BEFORE communicating" if e.dtype != dtype else ""),
             )
-            problem = shard_problem(e, name, p, r, dtype, phase)  # type: ignore[arg-type]
+            problem = shard_problem(e, name, p, r, dtype, phase, initial)  # type: ignore[arg-type]
             require(problem is None, str(problem))
     # Every layer's forward starts after the gathers of its parameters.
     done: list[str] = []

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from grader import wire
 from grader.broker.traffic import Event, Traffic
+from grader.testkit.compare import carried, nearest
 from grader.testkit.data import generator
 
 TOLERANCE = 1e-9  # relative, plus absolute: float64 steps computed in another order
@@ -43,19 +43,13 @@ class Owners:
         return [[int((o == r).sum()) for o in self.of] for r in range(p)]
 
 
-def carried(event: Event, rank: int) -> Tensor | None:
+def update_of(event: Event, rank: int) -> Tensor | None:
     """The values an updating event of ``rank`` sent, in float64: a broadcast's payload if the
     rank is its root, its input to an all-gather or an all-reduce; None for anything else."""
     sends = event.op in ("all_gather", "all_reduce") or (
         event.op == "broadcast" and event.root == rank
     )
-    dtype = wire.DTYPES.get(event.dtype)
-    if not sends or dtype is None or not event.payload:
-        return None
-    size = torch.empty((), dtype=dtype).element_size()
-    if len(event.payload) % size:
-        return None
-    return torch.frombuffer(bytearray(event.payload), dtype=dtype).double()
+    return carried(event) if sends else None
 
 
 def matches(values: Tensor, flat: Tensor) -> Tensor:
@@ -63,11 +57,9 @@ def matches(values: Tensor, flat: Tensor) -> Tensor:
     (within :data:`TOLERANCE`)."""
     order = flat.argsort()
     ordered = flat[order]
-    at = torch.searchsorted(ordered, values).clamp(max=len(flat) - 1)
-    below = (at - 1).clamp(min=0)
-    nearer = torch.where((ordered[below] - values).abs() < (ordered[at] - values).abs(), below, at)
-    found = (ordered[nearer] - values).abs() <= TOLERANCE * (1 + ordered[nearer].abs())
-    return order[nearer[found]]
+    at = nearest(values, ordered)
+    found = (ordered[at] - values).abs() <= TOLERANCE * (1 + ordered[at].abs())
+    return order[at[found]]
 
 
 def senders(traffic: Traffic, updated: list[list[Tensor]]) -> Tensor:
@@ -80,7 +72,7 @@ def senders(traffic: Traffic, updated: list[list[Tensor]]) -> Tensor:
     sent = torch.zeros(len(traffic.per_rank), len(flats[0]), dtype=torch.bool)
     for rank, events in enumerate(traffic.per_rank):
         for event in events:
-            values = carried(event, rank)
+            values = update_of(event, rank)
             if values is None or not len(values):
                 continue
             for flat in flats:

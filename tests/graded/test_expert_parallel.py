@@ -232,7 +232,16 @@ def is_count(event: Event) -> bool:
     return event.dtype in COUNT_DTYPES
 
 
-def check_traffic(case: Case, out: CallResult, want: Oracle, rank: int, router_bytes: int) -> None:
+def check_traffic(
+    case: Case,
+    out: CallResult,
+    want: Oracle,
+    rows: list[list[Tensor]],
+    rank: int,
+    router_bytes: int,
+) -> None:
+    """The rank's operations; ``rows``: what its all-to-alls of token rows must carry to each
+    rank (:func:`rows_carried`, for this rank)."""
     events = [e for e in out.traffic.per_rank[rank] if e.op != "mark"]
     what, kept = case.describe(), want.kept
     if case.p == 1:
@@ -291,8 +300,7 @@ def check_traffic(case: Case, out: CallResult, want: Oracle, rank: int, router_b
         f"{[dispatch, combine, dispatch, combine]}: to each rank exactly the rows routed to its "
         "experts, and the combine its mirror",
     )
-    rows = [e for e in data if e.op == "all_to_all"]
-    problem = rows_problem(case, rows, rows_carried(case, want)[rank])
+    problem = rows_problem(case, [e for e in data if e.op == "all_to_all"], rows)
     require(problem is None, f"{what}: {problem}")
 
 
@@ -329,4 +337,5 @@ def test_communication(world: World, record: TestRecord, capacity: str) -> None:
     record.details["dispatch_bytes_sent"] = sent
     record.details["dispatch_bytes_received"] = received
     router_bytes = (case.num_experts * D + case.num_experts) * 4
-    on_every_rank(case.p, lambda r: check_traffic(case, out, want, r, router_bytes))
+    rows = rows_carried(case, want)  # every rank's, once
+    on_every_rank(case.p, lambda r: check_traffic(case, out, want, rows[r], r, router_bytes))
