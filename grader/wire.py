@@ -22,6 +22,7 @@ import json
 import math
 import socket
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -69,15 +70,22 @@ def send_frame(sock: socket.socket, frame: Frame) -> None:
         sock.sendall(buffer)
 
 
-def recv_frame(sock: socket.socket, max_bytes: int = MAX_FRAME_BYTES) -> Frame | None:
+def recv_frame(
+    sock: socket.socket,
+    max_bytes: int = MAX_FRAME_BYTES,
+    began: Callable[[], None] | None = None,
+) -> Frame | None:
     """The next frame, or None when the peer closed the connection cleanly.
 
     ``max_bytes`` caps the header and buffers together before anything is allocated
     (a stranger's first frame, before it proved who it is, gets a small cap).
+    ``began`` is called once the frame's first bytes are in, before the rest is read.
     """
     prefix = _recv_exactly(sock, _PREFIX.size, eof_ok=True)
     if prefix is None:
         return None
+    if began is not None:
+        began()
     header_length, count = _PREFIX.unpack(prefix)
     if header_length > MAX_HEADER_BYTES or count > MAX_BUFFERS:
         raise WireError(f"frame too large ({header_length} header bytes, {count} buffers)")

@@ -16,10 +16,13 @@ from __future__ import annotations
 import contextlib
 import socket
 import threading
+import time
 from abc import ABC, abstractmethod
 from pathlib import Path
 
 from grader import protocol, wire
+from grader.broker import accounting
+from grader.broker.accounting import Reading
 from grader.broker.ops import RankState
 from grader.wire import Frame
 
@@ -79,19 +82,31 @@ class Connections(ABC):
         ``relayed``: the connection comes from the rank's trusted relay on another
         node, which may add what only it knows (:data:`protocol.RELAY_ONLY`).
         """
+        pid = None if relayed else accounting.peer_pid(sock)
         with self._cv:
-            if self._ranks[rank].sock is not None:  # one connection per rank
+            state = self._ranks[rank]
+            if state.sock is not None:  # one connection per rank
                 sock.close()
                 return
-            self._ranks[rank].sock = sock
+            state.sock, state.pid = sock, pid
             self._cv.notify_all()
+        began: list[Reading | None] = []
+
+        def beginning() -> None:
+            began[:] = [accounting.read(pid) if pid is not None else None]
+
         try:
-            while (frame := wire.recv_frame(sock, self._frame_bytes)) is not None:
+            while (frame := wire.recv_frame(sock, self._frame_bytes, beginning)) is not None:
+                read = accounting.read(pid) if pid is not None else None
                 with self._cv:
                     if relayed and frame.header["type"] in protocol.RELAY_ONLY:
                         self._relay_said(rank, frame)
                     else:
+                        if state.running:
+                            state.local.began(began[0])
                         self._handle(rank, frame)
+                        if state.running and state.blocked_on is None:
+                            state.local.released(read, time.monotonic())
                     self._cv.notify_all()
         except (OSError, wire.WireError) as err:
             if not isinstance(err, OSError):

@@ -149,9 +149,11 @@ class Matching(Connections):
             self.traffic.delivered[op.rank] += sum(map(len, frame.buffers))
             if op.kind == "recv" and op.event >= 0:
                 self.traffic.handed[(op.rank, op.event)] = len(self.traffic.per_rank[op.rank])
+        self._send(op.rank, frame)
         if state.blocked_on is op:
             state.blocked_on = None
-        self._send(op.rank, frame)
+            if state.running:
+                state.local.released_now()
 
     def _hold(self, state: RankState, op: Op, size: int) -> bool:
         """Keep ``size`` more bytes for ``state``'s rank; refuse ``op`` past the limit."""

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from grader import wire
+from grader.broker.accounting import LocalTime
 from grader.failures import Fault
 from grader.protocol import ProtocolError, RankError, TensorMeta, clean, field_int
 from grader.wire import Frame
@@ -162,9 +163,12 @@ class RankState:
     recorded: int = 0  # bytes of its payloads kept in the call's record
     posted: int = 0  # operations and marks posted in this call
     broken: bool = False  # broke the protocol in this call: the call is over for it
+    pid: int | None = None  # its process, as its socket's peer (None: reached by a relay)
+    local: LocalTime = field(default_factory=LocalTime.unmeasured)  # this call's local time
 
     def start_call(self, gates: list[Gate]) -> None:
         self.running, self.outcome, self.stack, self.broken = True, None, None, False
+        self.local = LocalTime() if self.pid is not None else LocalTime.unmeasured()
         self.buffered = self.posted = self.recorded = self.gate_from = 0
         self.gates = list(gates)
 

@@ -33,6 +33,7 @@ from __future__ import annotations
 import time
 
 from grader import protocol, wire
+from grader.broker import accounting
 from grader.broker.matching import Matching
 from grader.broker.ops import (
     CollectiveCall,
@@ -75,6 +76,8 @@ class Broker(Matching):
             for state, frame in zip(self._ranks, frames, strict=False):
                 state.start_call(gates[state.rank] if gates else [])
                 self._send(state.rank, frame)
+                state.local.released(accounting.read(state.pid) if state.pid else None)
+            self.traffic.local = [state.local for state in self._ranks[: self.active]]
 
     def wait_connected(self, deadline: float) -> bool:
         """Wait until every rank connected (True), or a rank died, the job ended, or the

@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 from time import monotonic
 from typing import Any
 
+from grader.broker.accounting import LocalTime
+
 
 @dataclass(frozen=True)
 class Event:
@@ -65,6 +67,8 @@ class Traffic:
     # broker had recorded when it handed the message over: what it received can only reach
     # operations from there on (an ``is_completed()`` may ask long before the message comes).
     handed: dict[tuple[int, int], int] = field(default_factory=dict)
+    # Each rank's local time in the call, from the kernel's accounting (broker.accounting).
+    local: list[LocalTime] = field(default_factory=list)
 
     @classmethod
     def empty(cls, world_size: int) -> Traffic:

@@ -21,10 +21,11 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from grader.broker.accounting import LocalTime
 from grader.judge import communication
 from grader.judge.projection import machines, project
 from grader.judge.reference_traces import reference_messages
@@ -110,6 +111,7 @@ def judge_performance(
     theirs: Messages,
     full_at: float,
     zero_at: float,
+    local: Sequence[LocalTime] = (),
 ) -> Judgement:
     factor = communication.BUS_FACTOR[function](p)
     rows, ratios, details = [], [], {}
@@ -131,9 +133,36 @@ def judge_performance(
     ratio = math.exp(sum(math.log(max(r, 1e-12)) for r in ratios) / len(ratios))
     fraction = 1.0 if ratio <= full_at else max(0.0, (zero_at - ratio) / (zero_at - full_at))
     details["time_ratio"] = round(ratio, 4)
+    details["local_time"] = [_local_figures(t) for t in local]
     header = (
         f"{function} of {size(n_bytes)} on {p} ranks, your messages replayed on real machines: "
         f"{ratio:.2f}x the reference's time (geometric mean; full points within {full_at:g}x, "
         f"none beyond {zero_at:g}x; local arithmetic is not modelled)"
     )
-    return Judgement(fraction, "\n".join([header, *rows]), details)
+    return Judgement(fraction, "\n".join([header, *rows, *_local_rows(local)]), details)
+
+
+def _local_figures(local: LocalTime) -> dict[str, Any]:
+    if not local.measured:
+        return {"measured": False}
+    return {
+        "measured": True,
+        "cpu_seconds": round(local.cpu, 6),
+        "outside_seconds": round(local.outside, 6),
+        "waiting_seconds": round(local.waiting, 6),
+    }
+
+
+def _local_rows(local: Sequence[LocalTime]) -> list[str]:
+    """Where each rank's time went outside its messages: told, not yet judged."""
+    if not local:
+        return []
+    if not all(t.measured for t in local):
+        return ["  local time: not measured here (a rank on another node, or no schedstat)"]
+    busiest = max(range(len(local)), key=lambda r: local[r].cpu + local[r].outside)
+    t = local[busiest]
+    return [
+        f"  local time (told, not judged): rank {busiest} spent {duration(t.cpu)} computing, "
+        f"{duration(t.outside)} neither computing nor in a message (a sleep or a wait outside "
+        f"torch.distributed), {duration(t.waiting)} waiting for a CPU (the machine's load)"
+    ]

@@ -64,6 +64,7 @@ def test_performance(function: str, world: World, options: TestOptions, record: 
         reference_messages(function, world.size, n),
         options.full_points_within,
         options.zero_points_beyond,
+        out.traffic.local,
     )
     record.details.update(judged.details)
     record.credit(judged.fraction, judged.message)

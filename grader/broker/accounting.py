@@ -1,0 +1,129 @@
+"""Where a rank's time goes between its operations, from the kernel's accounting alone.
+
+The broker knows when a rank is free (from the moment it answered the rank's
+last frame, or started its call) until the rank's next frame begins. The
+kernel knows, for every thread of the rank's process, how long it ran on a
+CPU and how long it was runnable but waited for one
+(``/proc/<pid>/task/<tid>/schedstat``: nanoseconds on a CPU, nanoseconds in
+the run queue). The pid is the socket's peer, as the kernel says
+(``SO_PEERCRED``), never what the rank says. So, over a call:
+
+- ``cpu``: every thread's time on a CPU, the rank's own work wherever it falls;
+- ``waiting``: time runnable but not running, the machine's load;
+- ``outside``: time a free rank neither ran nor waited for a CPU: a sleep, or a
+  wait on something outside the broker.
+
+Nothing a rank says enters these figures. Where they cannot be read (another
+node's rank, reached through a relay; a system without ``schedstat``), the
+call's :class:`LocalTime` says it was not measured.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import struct
+import sys
+import time
+from dataclasses import dataclass
+
+_UCRED = struct.Struct("3i")  # pid, uid, gid
+
+
+@dataclass(frozen=True)
+class Reading:
+    """The kernel's account of one process at one moment (``at``: the monotonic clock)."""
+
+    at: float
+    cpu: float  # seconds on a CPU, every thread together
+    waiting: float  # seconds runnable but waiting for a CPU
+
+
+def peer_pid(sock: socket.socket) -> int | None:
+    """The pid of the process at the other end of a Unix socket, as the kernel says."""
+    if sys.platform != "linux" or sock.family != socket.AF_UNIX:
+        return None
+    try:
+        raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size)
+    except OSError:
+        return None
+    pid = _UCRED.unpack(raw)[0]
+    return pid if pid > 0 else None
+
+
+def read(pid: int) -> Reading | None:
+    """Every thread's CPU and run-queue time of process ``pid``; None if it cannot be read."""
+    at = time.monotonic()
+    cpu = waiting = 0
+    try:
+        threads = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return None
+    for tid in threads:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/schedstat", "rb") as stat:
+                on_cpu, queued, _ = stat.read().split()
+        except (OSError, ValueError):
+            continue  # a thread that ended while we read
+        cpu += int(on_cpu)
+        waiting += int(queued)
+    return Reading(at, cpu / 1e9, waiting / 1e9)
+
+
+@dataclass
+class LocalTime:
+    """One rank's local time in one call, accumulated from :class:`Reading` s.
+
+    ``free`` is the reading from which the rank was free (not waiting on the broker);
+    the broker calls :meth:`began` when a frame of the rank's begins to arrive and
+    :meth:`released` when it lets the rank run again.
+    """
+
+    first: Reading | None = None
+    last: Reading | None = None
+    free: Reading | None = None
+    outside: float = 0.0
+    measured: bool = True
+
+    @classmethod
+    def unmeasured(cls) -> LocalTime:
+        return cls(measured=False)
+
+    def began(self, reading: Reading | None) -> None:
+        """A frame's first bytes arrived: the rank's free time since :meth:`released` ends."""
+        if reading is None:
+            self.measured = False
+            return
+        if self.free is not None:
+            wall = reading.at - self.free.at
+            ran = (reading.cpu - self.free.cpu) + (reading.waiting - self.free.waiting)
+            self.outside += max(0.0, wall - ran)
+            self.free = None
+        self.last = reading
+
+    def released(self, reading: Reading | None, at: float | None = None) -> None:
+        """The rank is free from ``at`` (default: the reading's moment) on, with the CPU and
+        run-queue figures of ``reading``: its frame is handled, or its wait answered. The
+        broker releases it after writing its answers, so their transfer is never free time."""
+        if reading is None:
+            self.measured = False
+            return
+        if at is not None:
+            reading = Reading(at, reading.cpu, reading.waiting)
+        if self.first is None:
+            self.first = reading
+        self.free, self.last = reading, reading
+
+    def released_now(self) -> None:
+        """The rank's blocking wait was answered now: free from now, with the last reading's
+        figures (it slept since, and reading here would hold the broker's lock)."""
+        if self.last is not None:
+            self.released(self.last, time.monotonic())
+
+    @property
+    def cpu(self) -> float:
+        return self.last.cpu - self.first.cpu if self.first and self.last else 0.0
+
+    @property
+    def waiting(self) -> float:
+        return self.last.waiting - self.first.waiting if self.first and self.last else 0.0
