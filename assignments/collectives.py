@@ -55,10 +55,12 @@ How it is graded (``grader list collectives``; points and ratios in tests/graded
 * ``performance[<function>]``, 0.5 point at p = 2 and 4, on 1M float32 elements (4 MB):
   your message pattern (sizes, order, dependencies) is replayed on models of real machines
   (8 GPUs on NVLink, 2 nodes on InfiniBand) against the reference's pattern of the same
-  call: full points within 1.5x the reference's time (geometric mean over the machines),
-  none beyond 3x, linear between. Local arithmetic is not modelled; wall-clock time is not
-  measured, so the score is the same on any machine. ``grader bench`` shows the same
-  projection for every message size.
+  call, and your local work between messages (CPU time, and time spent neither computing
+  nor in a message, such as a sleep) is timed by the kernel against the reference's, run
+  beside yours on the same machine: full points within 1.5x the reference's time (the
+  larger of the two ratios; the messages' is the geometric mean over the machines), none
+  beyond 3x, linear between. Waiting for a busy CPU is never charged. ``grader bench``
+  shows the message projection for every message size.
 * Both cost tests check the result first: a wrong result earns none of their points.
 
 Costs below are for p ranks and n bytes: rounds of messages, and bytes sent by the busiest

@@ -229,7 +229,7 @@ def _run_tests(
     on_start: Callable[[GradedTest], None],
     on_verdict: Callable[[GradedTest, Verdict], None],
 ) -> tuple[bool, str | None]:
-    plugin = GradingPlugin(tests, settings, on_start, on_verdict)
+    plugin = GradingPlugin(tests, settings, on_start, on_verdict, _reference_job(config, settings))
     files = [str(course.GRADED_DIR / t.nodeid.split("::")[0]) for t in tests]
     arguments = [*dict.fromkeys(files), *course.GRADED_PYTEST_ARGS, "-p", "no:terminal"]
     said = io.StringIO()
@@ -255,6 +255,24 @@ def _run_tests(
         failure = f"pytest could not run the graded tests ({code.name}): {' '.join(last)}"
     # A grader failure stops the session too (the plugin): then the run broke, not paused.
     return code == pytest.ExitCode.INTERRUPTED and failure is None, failure
+
+
+def _reference_job(config: GradingConfig, settings: JobSettings) -> JobSettings | None:
+    """How to run the reference beside the submission, for the performance tests to time its
+    local work on this machine, in this run: its own job, in a sandbox of the submission's
+    level where that sandbox keeps the two jobs apart (``namespaces``), else unsandboxed (it
+    is the course's code; at ``uid`` the submission's ranks could signal a process of their
+    own uids). None where there is none: a student's release, or a run across nodes (whose
+    ranks the broker cannot time)."""
+    reference = course.REPO_ROOT / "reference"
+    if settings.head is not None or not reference.is_dir():
+        return None
+    work = settings.work_dir / "reference"
+    stage(reference, work / "import")
+    level = sandbox.Level(settings.sandbox)
+    if level is not sandbox.Level.NAMESPACES:
+        level = sandbox.Level.NONE
+    return job_settings(work, level, settings.device, None, config.limits)
 
 
 def _start_head(

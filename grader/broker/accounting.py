@@ -13,6 +13,12 @@ the run queue). The pid is the socket's peer, as the kernel says
 - ``outside``: time a free rank neither ran nor waited for a CPU: a sleep, or a
   wait on something outside the broker.
 
+Each frame's beginning also ends a :class:`Gap`: the rank's CPU time since the
+previous frame began, and the outside time of the free stretch just ended,
+with how many of the rank's events and waits the broker had recorded then, so
+that the judges can put each gap before the operation it delayed
+(:meth:`grader.broker.traffic.Traffic.local_work`).
+
 Nothing a rank says enters these figures. Where they cannot be read (another
 node's rank, reached through a relay; a system without ``schedstat``), the
 call's :class:`LocalTime` says it was not measured.
@@ -25,7 +31,7 @@ import socket
 import struct
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 _UCRED = struct.Struct("3i")  # pid, uid, gid
 
@@ -70,6 +76,17 @@ def read(pid: int) -> Reading | None:
     return Reading(at, cpu / 1e9, waiting / 1e9)
 
 
+@dataclass(frozen=True)
+class Gap:
+    """A rank's local time up to one of its frames: ``cpu`` seconds on a CPU since its previous
+    frame began (or its call started), ``outside`` seconds free but neither on a CPU nor
+    waiting for one; ``records``: (events, waits) the broker held of the rank by then."""
+
+    records: tuple[int, int]
+    cpu: float
+    outside: float
+
+
 @dataclass
 class LocalTime:
     """One rank's local time in one call, accumulated from :class:`Reading` s.
@@ -84,22 +101,29 @@ class LocalTime:
     free: Reading | None = None
     outside: float = 0.0
     measured: bool = True
+    gaps: list[Gap] = field(default_factory=list)
+    since: Reading | None = None  # where the next gap's CPU time is counted from
 
     @classmethod
     def unmeasured(cls) -> LocalTime:
         return cls(measured=False)
 
-    def began(self, reading: Reading | None) -> None:
-        """A frame's first bytes arrived: the rank's free time since :meth:`released` ends."""
+    def began(self, reading: Reading | None, records: tuple[int, int] = (0, 0)) -> None:
+        """A frame's first bytes arrived, with ``records`` (events, waits) of the rank on
+        record: the rank's free time since :meth:`released` ends, and so does a gap."""
         if reading is None:
             self.measured = False
             return
+        outside = 0.0
         if self.free is not None:
             wall = reading.at - self.free.at
             ran = (reading.cpu - self.free.cpu) + (reading.waiting - self.free.waiting)
-            self.outside += max(0.0, wall - ran)
+            outside = max(0.0, wall - ran)
+            self.outside += outside
             self.free = None
-        self.last = reading
+        if self.since is not None:
+            self.gaps.append(Gap(records, max(0.0, reading.cpu - self.since.cpu), outside))
+        self.since = self.last = reading
 
     def released(self, reading: Reading | None, at: float | None = None) -> None:
         """The rank is free from ``at`` (default: the reading's moment) on, with the CPU and
@@ -111,7 +135,7 @@ class LocalTime:
         if at is not None:
             reading = Reading(at, reading.cpu, reading.waiting)
         if self.first is None:
-            self.first = reading
+            self.first = self.since = reading
         self.free, self.last = reading, reading
 
     def released_now(self) -> None:

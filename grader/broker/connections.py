@@ -103,7 +103,7 @@ class Connections(ABC):
                         self._relay_said(rank, frame)
                     else:
                         if state.running:
-                            state.local.began(began[0])
+                            state.local.began(began[0], self._records(rank))
                         self._handle(rank, frame)
                         if state.running and state.blocked_on is None:
                             state.local.released(read, time.monotonic())
@@ -127,6 +127,10 @@ class Connections(ABC):
     @abstractmethod
     def _handle(self, rank: int, frame: Frame) -> None:
         """A frame from ``rank``'s own code (under the lock)."""
+
+    @abstractmethod
+    def _records(self, rank: int) -> tuple[int, int]:
+        """How many events and waits of ``rank``'s call are on record (under the lock)."""
 
     @abstractmethod
     def _relay_said(self, rank: int, frame: Frame) -> None:

@@ -32,6 +32,11 @@ class Matching(Connections):
         self.active = world_size  # the ranks of the current call: 0..active-1
         self._reset_call()
 
+    def _records(self, rank: int) -> tuple[int, int]:
+        if rank >= len(self.traffic.per_rank):
+            return 0, 0
+        return len(self.traffic.per_rank[rank]), len(self.traffic.waits[rank])
+
     # -- matching ------------------------------------------------------------------------------
 
     def _op(self, state: RankState, frame: Frame, kind: str) -> Op:
@@ -85,6 +90,8 @@ class Matching(Connections):
                 op.peer,
                 nbytes(op.meta) if op.meta else 0,
                 op.tag,
+                at=op.at,
+                dtype=op.meta.dtype if op.meta else "",
                 payload=op.payload[0] if op.payload else b"",
             )
         )

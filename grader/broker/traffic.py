@@ -6,11 +6,13 @@ the communication and performance judges read nothing else.
 
 from __future__ import annotations
 
+from collections import defaultdict
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from time import monotonic
 from typing import Any
 
-from grader.broker.accounting import LocalTime
+from grader.broker.accounting import Gap, LocalTime
 
 
 @dataclass(frozen=True)
@@ -22,7 +24,7 @@ class Event:
     nbytes: int
     tag: int = 0
     at: str = ""  # the student's line that posted it
-    dtype: str = ""  # a collective's first input tensor's dtype ("float32"), as the rank sent it
+    dtype: str = ""  # its (a collective's first input) tensor's dtype ("float32"), as sent
     # The broker's clock when it recorded the event (the rank posted the operation): what the
     # schedule pictures draw, never what a verdict rests on.
     posted: float = field(default_factory=monotonic, compare=False)
@@ -55,6 +57,30 @@ class GatePass:
     after: int  # how many of the rank's events were posted before it
 
 
+@dataclass(frozen=True)
+class RankWork:
+    """One rank's local time in a call, laid on its message log (:meth:`Traffic.messages`):
+    ``before[i]`` seconds (on a CPU, or outside: :mod:`grader.broker.accounting`) before its
+    i-th entry, ``tail`` after its last; ``longest_cpu`` and ``longest_outside``: its longest
+    stretch of each, and before which operation it came."""
+
+    before: tuple[float, ...]
+    tail: float
+    cpu: float
+    outside: float
+    waiting: float  # runnable but not running: the machine's load, never the rank's work
+    longest_cpu: tuple[float, str]
+    longest_outside: tuple[float, str]
+
+
+def _where(event: Event, wait: Wait | None) -> str:
+    """The operation a stretch of local time came before, in the student's words."""
+    line = f" at {event.at}" if event.at else ""
+    if wait is not None:
+        return f"before waiting for the {event.op}{line}"
+    return f"before the {event.op}{line}"
+
+
 @dataclass
 class Traffic:
     """Every rank's events during one call, and when it waited for which of them."""
@@ -80,23 +106,68 @@ class Traffic:
     def messages(self) -> list[list[dict[str, Any]]]:
         """Every rank's point-to-point events and its waits for them, in program order, as the
         replays want them: ``{"op": "wait", "of": i}`` waits for the rank's i-th message."""
-        return [self._messages(rank) for rank in range(len(self.per_rank))]
+        return [[entry for _, entry in self._messages(rank)] for rank in range(len(self.per_rank))]
 
-    def _messages(self, rank: int) -> list[dict[str, Any]]:
+    def local_work(self) -> list[RankWork] | None:
+        """Every rank's local time in the call, put before the entries of :meth:`messages` it
+        delayed; None where a rank's was not measured (:mod:`grader.broker.accounting`)."""
+        if len(self.local) != len(self.per_rank) or not all(t.measured for t in self.local):
+            return None
+        return [self._local_work(rank) for rank in range(len(self.per_rank))]
+
+    def _records(self, rank: int) -> Iterator[tuple[tuple[int, int], Event, Wait | None]]:
+        """The rank's events and waits in program order, each with the (events, waits) the
+        broker held of the rank when it was recorded, and the event (awaited, for a wait)."""
         events, waits = self.per_rank[rank], self.waits[rank] if self.waits else []
-        index: dict[int, int] = {}  # position among all events -> among the messages
-        out: list[dict[str, Any]] = []
-        pending = iter(waits)
+        pending = iter(enumerate(waits))
         wait = next(pending, None)
-        for position in range(len(events) + 1):
-            while wait is not None and wait.after == position:
-                if wait.of in index:
-                    out.append({"op": "wait", "of": index[wait.of]})
+        for position, event in enumerate(events):
+            while wait is not None and wait[1].after == position:
+                yield (position, wait[0]), events[wait[1].of], wait[1]
                 wait = next(pending, None)
-            if position < len(events) and events[position].peer >= 0:
-                index[position] = len(out)
-                out.append(events[position].as_dict())
-        return out
+            yield (position, wait[0] if wait else len(waits)), event, None
+        while wait is not None:  # waits after its last event
+            yield (len(events), wait[0]), events[wait[1].of], wait[1]
+            wait = next(pending, None)
+
+    def _messages(self, rank: int) -> Iterator[tuple[tuple[int, int], dict[str, Any]]]:
+        """:meth:`messages` of one rank, each entry with when it was recorded."""
+        index: dict[int, int] = {}  # position among all events -> among the messages
+        count = 0
+        for recorded, event, wait in self._records(rank):
+            if wait is not None and wait.of in index:
+                entry = {"op": "wait", "of": index[wait.of]}
+            elif wait is None and event.peer >= 0:
+                index[recorded[0]], entry = count, event.as_dict()
+            else:
+                continue
+            count += 1
+            yield recorded, entry
+
+    def _local_work(self, rank: int) -> RankWork:
+        """The rank's gaps (:class:`~grader.broker.accounting.Gap`), each put before the first
+        entry of :meth:`messages` recorded after it; what follows the last one is the tail."""
+        local = self.local[rank]
+        ended_at: dict[tuple[int, int], list[Gap]] = defaultdict(list)
+        for gap in local.gaps:
+            ended_at[gap.records].append(gap)
+        entries = {recorded for recorded, _ in self._messages(rank)}
+        records = [(recorded, _where(event, wait)) for recorded, event, wait in self._records(rank)]
+        final = (len(self.per_rank[rank]), len(self.waits[rank]))
+        before: list[float] = []
+        pending, cpu, outside = 0.0, (0.0, ""), (0.0, "")
+        for recorded, where in [*records, (final, "before it returned")]:
+            for gap in ended_at.pop(recorded, ()):
+                pending += gap.cpu + gap.outside
+                cpu = max(cpu, (gap.cpu, where))
+                outside = max(outside, (gap.outside, where))
+            if recorded in entries:
+                before.append(pending)
+                pending = 0.0
+        pending += sum(g.cpu + g.outside for gaps in ended_at.values() for g in gaps)
+        return RankWork(
+            tuple(before), pending, local.cpu, local.outside, local.waiting, cpu, outside
+        )
 
     def collectives(self, rank: int, *names: str) -> list[Event]:
         return [

@@ -45,12 +45,17 @@ class GradingPlugin:
         settings: JobSettings,
         on_start: OnStart,
         on_verdict: OnVerdict,
+        reference: JobSettings | None = None,
     ) -> None:
         self.tests = {t.nodeid: t for t in tests}
         self.settings = settings
         self.on_start = on_start
         self.on_verdict = on_verdict
-        self.pool = RankPool(max(t.world_size for t in tests), settings)
+        size = max(t.world_size for t in tests)
+        self.pool = RankPool(size, settings)
+        # The reference's own ranks, apart from the student's, which cannot reach them: the
+        # performance tests time its local work beside the student's. Started at first use.
+        self.reference_pool = RankPool(size, reference) if reference is not None else None
         self._running: _Running | None = None
         self.grader_failure: str | None = None
 
@@ -63,10 +68,19 @@ class GradingPlugin:
 
     def world_for(self, world_size: int) -> World:
         """The ranks of this test's world size, bound by this test's rules."""
+        return World(world_size, self.pool, self._limits())
+
+    def reference_for(self, world_size: int) -> World | None:
+        """The reference's ranks of this world size, bound by this test's rules; None where
+        there is no reference to run (a student's release, a run across nodes)."""
+        if self.reference_pool is None:
+            return None
+        return World(world_size, self.reference_pool, self._limits())
+
+    def _limits(self) -> CallLimits:
         assert self._running is not None
         settings = self._running.test.settings
-        limits = CallLimits(settings.timeout, settings.forbid_collectives)
-        return World(world_size, self.pool, limits)
+        return CallLimits(settings.timeout, settings.forbid_collectives)
 
     @pytest.fixture
     def options(self) -> TestOptions:
@@ -161,3 +175,5 @@ class GradingPlugin:
 
     def close(self) -> None:
         self.pool.close()
+        if self.reference_pool is not None:
+            self.reference_pool.close()

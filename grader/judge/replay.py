@@ -33,9 +33,11 @@ def replay(
     per_rank: list[list[Message]],
     on_send: Callable[[int, Message], float],
     on_arrival: Callable[[int, Message, float], None],
+    before: Callable[[int, int], None] | None = None,
 ) -> None:
     """Call ``on_send`` for every send (it returns when the message is there) and
-    ``on_arrival`` for every awaited receive, with that value, in an order that respects both.
+    ``on_arrival`` for every awaited receive, with that value, in an order that respects both;
+    ``before(rank, i)`` once as the rank reaches its i-th entry, before anything of it.
 
     A receive its rank never waited for counts as waited at the rank's end.
     """
@@ -44,6 +46,7 @@ def replay(
     posted: dict[tuple[int, int, int], deque[tuple[int, int]]] = defaultdict(deque)
     waited: list[set[int]] = [set() for _ in per_rank]
     position = [0] * len(per_rank)
+    reached = [-1] * len(per_rank)  # the last entry ``before`` was called for
 
     def match(key: tuple[int, int, int]) -> None:
         while sent[key] and posted[key]:
@@ -56,6 +59,9 @@ def replay(
         for rank, events in enumerate(per_rank):
             while position[rank] < len(events):
                 index, event = position[rank], events[position[rank]]
+                if before is not None and reached[rank] < index:
+                    reached[rank] = index
+                    before(rank, index)
                 op = event["op"]
                 if op == "send":
                     key = (rank, event["peer"], event["tag"])

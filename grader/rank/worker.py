@@ -12,6 +12,7 @@ counts, and whatever it says is checked by the trusted side.
 
 from __future__ import annotations
 
+import gc
 import importlib
 import os
 import sys
@@ -41,6 +42,12 @@ def main(socket_path: str, import_dir: Path) -> int:
     backend.register(link)
     _form_group(rank, world_size)
     device = _device(rank)
+    # Torch's hundreds of thousands of objects would be walked by every full collection,
+    # some 15 ms of CPU now and then in whichever call triggers it: the local work the
+    # performance tests time would depend on the garbage collector's moods. Frozen, the
+    # collector leaves them alone (they live as long as the process anyway).
+    gc.collect()
+    gc.freeze()
     link.post(protocol.HELLO, rank=rank)
     while (frame := link.calls.get()) is not None:
         size = frame.header.get("world_size", world_size)

@@ -1,40 +1,59 @@
-"""Judging what a collective costs, from the messages the broker carried: bytes, rounds, time.
-
-Both judgements are deterministic functions of the message pattern: the same
-code earns the same points on a quiet laptop and on a loaded grading server.
+"""Judging what a collective costs: bytes, rounds, and time, messages and local work.
 
 ``communication``: the bytes the busiest rank moves against the classic lower
-bound (``grader/judge/communication.py``), and the rounds.
+bound (``grader/judge/communication.py``), and the rounds: a deterministic
+function of the message pattern, the same on a quiet laptop and a loaded server.
 
-``performance``: the pattern replayed on the machine models of
-``machines.yaml`` (alpha-beta links, one port per rank, each receive waiting
-for its send), against the reference's pattern of the same call. The ratio is
-the geometric mean over the machines; full points within ``full_at`` times the
-reference's time, none beyond ``zero_at``, linear between. It models the
-messages only: local arithmetic, which the broker cannot see, is not timed.
-
-The reference's pattern of a call comes from :func:`reference_messages`, kept as data
-(:mod:`grader.judge.reference_traces` rebuilds it).
+``performance``: the larger of two ratios to the reference. The messages:
+the pattern replayed on the machine models of ``machines.yaml`` (alpha-beta
+links, one port per rank, each receive waiting for its send), against the
+reference's pattern of the same call (:func:`reference_messages`, kept as
+data: :mod:`grader.judge.reference_traces` rebuilds it), the geometric mean
+over the machines. The local work: each rank's CPU time and time spent
+neither computing nor in a message, from the kernel (never from the rank),
+laid on its messages and replayed on free links, against the reference's
+timed beside it on this machine (:func:`time_calls`). Full points within
+``full_at`` times the reference, none beyond ``zero_at``, linear between.
 """
 
 from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from grader.broker.accounting import LocalTime
+from grader.broker.traffic import RankWork, Traffic
 from grader.judge import communication
-from grader.judge.projection import machines, project
+from grader.judge.call import CallResult
+from grader.judge.projection import LOCAL_WORK, machines, project
 from grader.judge.reference_traces import reference_messages
 from grader.judge.replay import ReplayError
+from grader.launch.world import World
 from grader.report.units import duration, size
+from grader.testkit.calls import Expected, collective_call
 
-__all__ = ["Judgement", "judge_communication", "judge_performance", "reference_messages"]
+__all__ = [
+    "WARM_UP",
+    "Judgement",
+    "Timed",
+    "Timing",
+    "judge_communication",
+    "judge_performance",
+    "reference_messages",
+    "time_calls",
+]
 
 Messages = list[list[dict[str, Any]]]  # every rank's point-to-point events, in program order
+#: The inputs' key of a warm-up call, made before the timed ones: what a first call costs
+#: once (an import, a first allocation) is not charged to them.
+WARM_UP = "costs/warm-up"
+WARM_UPS = 1  # a first call costs more: an import, the allocator's first pages
+RUNS = 5  # calls of each side in a round
+ROUNDS = 4  # at most, while the submission's local work looks too slow
+NO_REFERENCE = "no reference to time it against here (a student's release, or across nodes)"
+UNMEASURED = "not measured here (a rank on another node, or no /proc schedstat)"
 
 
 @dataclass(frozen=True)
@@ -102,6 +121,85 @@ def judge_communication(
     return Judgement(0.0, f"{advice}\n{table}", details)
 
 
+@dataclass(frozen=True)
+class Timed:
+    """One call's message logs with every rank's local work laid on them (from the broker's
+    accounting: :meth:`grader.broker.traffic.Traffic.local_work`)."""
+
+    messages: Messages
+    work: list[RankWork]
+
+    @classmethod
+    def of(cls, traffic: Traffic) -> Timed | None:
+        """The call's timed logs; None where a rank's local time was not measured."""
+        work = traffic.local_work()
+        return cls(traffic.messages(), work) if work is not None else None
+
+    def critical_path(self) -> float:
+        """Seconds of local work on the call's critical path: the replay on free links."""
+        return project(self.messages, LOCAL_WORK, self.work)
+
+
+@dataclass(frozen=True)
+class Timing:
+    """The submission's call that :func:`time_calls` judges, and both sides' local work: None
+    where the submission's was not timed, why not where the reference's was not."""
+
+    out: CallResult
+    yours: Timed | None
+    reference: Timed | str
+
+
+def time_calls(
+    function: str,
+    n: int,
+    world: World,
+    reference: World | None,
+    check: Callable[[CallResult, list[Expected]], None],
+    within: float,
+) -> Timing:
+    """Time the submission's call of ``function`` on ``n`` elements against the reference's,
+    run in its own job on this machine: :data:`WARM_UPS` calls each, then rounds of
+    :data:`RUNS` each, in turn, so that both meet the machine in the same state, on the same
+    inputs, which differ from call to call (none can reuse another's work). ``check`` checks
+    each of the submission's results. The least local work of each side is its time (the
+    machine's noise only ever adds to it), with the submission's call that took it. While
+    the submission's is beyond ``within`` times the reference's, another round, up to
+    :data:`ROUNDS`: a busy moment of the machine's never costs points, a slow submission
+    stays slow."""
+    target, case = f"collectives.{function}", f"{function} of {n} float32 elements"
+
+    def both(key: str) -> tuple[CallResult, Timed | None, Timed | None]:
+        args, expected = collective_call(function, world.size, n, key)
+        out = world.call(target, args, case=case)
+        check(out, expected)
+        if reference is None:
+            return out, Timed.of(out.traffic), None
+        theirs = reference.call(target, args, case=f"the reference's {case}")
+        return out, Timed.of(out.traffic), Timed.of(theirs.traffic)
+
+    for i in range(WARM_UPS):
+        both(f"{WARM_UP}/{i}")
+    best: tuple[Timed, CallResult] | None = None
+    best_theirs: Timed | None = None
+    for call in range(ROUNDS * RUNS):
+        out, mine, theirs = both(f"costs/timed/{call}")
+        if mine is None:
+            return Timing(out, None, UNMEASURED)
+        if best is None or mine.critical_path() < best[0].critical_path():
+            best = (mine, out)
+        if reference is not None and theirs is None:
+            return Timing(best[1], best[0], UNMEASURED)
+        if theirs and (not best_theirs or theirs.critical_path() < best_theirs.critical_path()):
+            best_theirs = theirs
+        if (call + 1) % RUNS == 0 and (
+            best_theirs is None or best[0].critical_path() <= within * best_theirs.critical_path()
+        ):
+            break
+    assert best is not None
+    return Timing(best[1], best[0], best_theirs or NO_REFERENCE)
+
+
 @replayable
 def judge_performance(
     function: str,
@@ -111,8 +209,12 @@ def judge_performance(
     theirs: Messages,
     full_at: float,
     zero_at: float,
-    local: Sequence[LocalTime] = (),
+    yours: Timed | None = None,
+    reference: Timed | str = "",
 ) -> Judgement:
+    """The busier of two ratios to the reference: the messages' time on the machine models,
+    and, where both calls were timed on this machine (``yours``, ``reference``), the local
+    work's critical path. ``reference`` is why not, where the reference was not timed."""
     factor = communication.BUS_FACTOR[function](p)
     rows, ratios, details = [], [], {}
     for machine in machines():
@@ -127,42 +229,65 @@ def judge_performance(
         }
         busbw = details[machine.name]["student_busbw_GBps"] or 0.0
         rows.append(
-            f"  {machine.name:<20} yours {duration(student_s):>9} (busbw {busbw:8.2f} GB/s), "
+            f"    {machine.name:<18} yours {duration(student_s):>9} (busbw {busbw:8.2f} GB/s), "
             f"reference {duration(reference_s):>9}: {ratios[-1]:.2f}x"
         )
-    ratio = math.exp(sum(math.log(max(r, 1e-12)) for r in ratios) / len(ratios))
+    messages = math.exp(sum(math.log(max(r, 1e-12)) for r in ratios) / len(ratios))
+    local, local_rows = _judge_local(yours, reference, details)
+    ratio = max(messages, local or 0.0)
     fraction = 1.0 if ratio <= full_at else max(0.0, (zero_at - ratio) / (zero_at - full_at))
+    details["messages_ratio"] = round(messages, 4)
     details["time_ratio"] = round(ratio, 4)
-    details["local_time"] = [_local_figures(t) for t in local]
     header = (
-        f"{function} of {size(n_bytes)} on {p} ranks, your messages replayed on real machines: "
-        f"{ratio:.2f}x the reference's time (geometric mean; full points within {full_at:g}x, "
-        f"none beyond {zero_at:g}x; local arithmetic is not modelled)"
+        f"{function} of {size(n_bytes)} on {p} ranks: {ratio:.2f}x the reference's time "
+        f"(full points within {full_at:g}x, none beyond {zero_at:g}x)"
     )
-    return Judgement(fraction, "\n".join([header, *rows, *_local_rows(local)]), details)
+    lines = [f"  your messages replayed on real machines: {messages:.2f}x (geometric mean)", *rows]
+    lines = [*local_rows, *lines] if local is not None and local > messages else lines + local_rows
+    return Judgement(fraction, "\n".join([header, *lines]), details)
 
 
-def _local_figures(local: LocalTime) -> dict[str, Any]:
-    if not local.measured:
-        return {"measured": False}
-    return {
-        "measured": True,
-        "cpu_seconds": round(local.cpu, 6),
-        "outside_seconds": round(local.outside, 6),
-        "waiting_seconds": round(local.waiting, 6),
-    }
-
-
-def _local_rows(local: Sequence[LocalTime]) -> list[str]:
-    """Where each rank's time went outside its messages: told, not yet judged."""
-    if not local:
-        return []
-    if not all(t.measured for t in local):
-        return ["  local time: not measured here (a rank on another node, or no schedstat)"]
-    busiest = max(range(len(local)), key=lambda r: local[r].cpu + local[r].outside)
-    t = local[busiest]
-    return [
-        f"  local time (told, not judged): rank {busiest} spent {duration(t.cpu)} computing, "
-        f"{duration(t.outside)} neither computing nor in a message (a sleep or a wait outside "
-        f"torch.distributed), {duration(t.waiting)} waiting for a CPU (the machine's load)"
+def _judge_local(
+    yours: Timed | None, reference: Timed | str, details: dict[str, Any]
+) -> tuple[float | None, list[str]]:
+    """The local work's ratio to the reference's (None: not timed), and the lines that say it
+    and where the time went."""
+    if yours is not None:
+        details["local_time"] = [_local_figures(w) for w in yours.work]
+    if yours is None or isinstance(reference, str):
+        why = UNMEASURED if yours is None or not reference else reference
+        details["local_ratio"] = None
+        return None, [f"  local work not judged: {why}"]
+    mine, theirs = yours.critical_path(), reference.critical_path()
+    ratio = mine / theirs if theirs > 0 else 1.0
+    details["local_ratio"] = round(ratio, 4)
+    details["local_critical_path_seconds"] = {"student": mine, "reference": theirs}
+    busiest = max(range(len(yours.work)), key=lambda r: yours.work[r].cpu + yours.work[r].outside)
+    work = yours.work[busiest]
+    return ratio, [
+        f"  your local work, timed on this machine: {duration(mine)} on the call's critical "
+        f"path, the reference's {duration(theirs)}: {ratio:.2f}x",
+        f"    rank {busiest} spent {duration(work.cpu)} computing{_longest(work.longest_cpu)} "
+        f"and {duration(work.outside)} neither computing nor in a message (a sleep or a wait "
+        f"outside torch.distributed){_longest(work.longest_outside, work.outside)}",
     ]
+
+
+def _longest(stretch: tuple[float, str], total: float | None = None) -> str:
+    """The longest stretch of a kind of local time, where it is worth naming."""
+    seconds, where = stretch
+    if seconds < 1e-3 or (total is not None and seconds < 0.1 * total):
+        return ""
+    return f" ({duration(seconds)} of it {where})"
+
+
+def _local_figures(work: RankWork) -> dict[str, Any]:
+    return {
+        "cpu_seconds": round(work.cpu, 6),
+        "outside_seconds": round(work.outside, 6),
+        "waiting_seconds": round(work.waiting, 6),
+        "longest_cpu_seconds": round(work.longest_cpu[0], 6),
+        "longest_cpu_before": work.longest_cpu[1],
+        "longest_outside_seconds": round(work.longest_outside[0], 6),
+        "longest_outside_before": work.longest_outside[1],
+    }

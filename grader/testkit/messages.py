@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from grader import wire
 from grader.broker.traffic import Event, Traffic
 from grader.judge.verdict import Cell, backward, forward
 
@@ -46,12 +47,14 @@ class Bounds:
 
 
 def carried(event: Event, like: Tensor) -> Tensor | None:
-    """What a send carried, as float64 of ``like``'s shape; None if it is not that size in
-    float32 or float64."""
-    dtype = {4 * like.numel(): torch.float32, 8 * like.numel(): torch.float64}
-    if len(event.payload) not in dtype:
+    """What a send carried, as float64 of ``like``'s shape; None if it is not a floating-point
+    tensor of ``like``'s size (in the dtype the broker saw it sent in)."""
+    dtype = wire.DTYPES.get(event.dtype)
+    if dtype is None or not dtype.is_floating_point:
         return None
-    values = torch.frombuffer(bytearray(event.payload), dtype=dtype[len(event.payload)])
+    if len(event.payload) != dtype.itemsize * like.numel():
+        return None
+    values = torch.frombuffer(bytearray(event.payload), dtype=dtype)
     return values.double().view(like.shape)
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import socket
 import sys
 import time
@@ -10,7 +11,10 @@ import time
 import pytest
 
 from grader.broker import accounting
-from grader.broker.accounting import LocalTime, Reading
+from grader.broker.accounting import Gap, LocalTime, Reading
+from grader.broker.traffic import Event, RankWork, Traffic, Wait
+from grader.judge.projection import LOCAL_WORK, project
+from grader.testkit.costs import NO_REFERENCE, Timed, judge_performance
 
 linux = pytest.mark.skipif(sys.platform != "linux", reason="/proc and SO_PEERCRED are Linux's")
 
@@ -60,12 +64,104 @@ def test_the_pid_is_the_kernels_and_the_reading_counts_every_thread() -> None:
 
 
 @linux
-def test_a_sleep_in_a_collective_is_told_as_time_outside_any_message(grade) -> None:
-    slept = grade("coll_sleeps", "collectives", k="performance", world_sizes=(2,))
+def test_a_sleep_in_a_collective_costs_its_performance_points(grade) -> None:
+    slept = grade("coll_sleeps", "collectives", k="performance[all_reduce]", world_sizes=(2,))
     test = slept.test("performance[all_reduce]", 2)
     local = test["extra_data"]["local_time"]
-    assert all(rank["measured"] for rank in local)
     assert max(rank["outside_seconds"] for rank in local) >= 0.045
-    assert "neither computing nor in a message" in test["output"]
-    # Told, not judged yet: the messages are the reference's, so are the points.
+    assert test["extra_data"]["messages_ratio"] == pytest.approx(1.0)  # the reference's
+    assert test["extra_data"]["local_ratio"] >= 3.0
+    assert test["score"] == 0
+    # Where the time went, at the line of the operation the sleep delayed.
+    output = test["output"]
+    assert "neither computing nor in a message" in output
+    assert re.search(r"\(\d+\.\d+ ms of it before the send at \S*collectives\.py:\d+", output)
+
+
+@linux
+def test_local_work_done_in_a_python_loop_costs_its_performance_points(grade) -> None:
+    looped = grade("coll_python_loop", "collectives", k="performance[all_reduce]", world_sizes=(2,))
+    test = looped.test("performance[all_reduce]", 2)
+    assert test["extra_data"]["messages_ratio"] == pytest.approx(1.0)
+    assert test["extra_data"]["local_ratio"] >= 3.0
+    assert test["score"] == 0
+    assert "your local work, timed on this machine" in test["output"]
+
+
+@linux
+def test_the_reference_keeps_its_performance_points_against_itself(grade) -> None:
+    graded = grade("reference", "collectives", k="performance[all_reduce]", world_sizes=(2,))
+    test = graded.test("performance[all_reduce]", 2)
     assert test["score"] == test["max_score"]
+    assert 0.5 <= test["extra_data"]["local_ratio"] <= 1.5
+
+
+def _timed(gaps: list[tuple[tuple[int, int], float, float]]) -> LocalTime:
+    local = LocalTime()
+    local.released(Reading(at=0.0, cpu=0.0, waiting=0.0))
+    local.gaps = [Gap(records, cpu, outside) for records, cpu, outside in gaps]
+    return local
+
+
+def test_local_work_lies_before_the_operation_it_delayed_and_replays_on_free_links() -> None:
+    traffic = Traffic.empty(2)
+    # Rank 0: a mark, a send to 1, a receive from 1, and a wait for that receive.
+    traffic.per_rank[0] += [
+        Event("mark", -1, 0, at="step"),
+        Event("send", 1, 8, at="c.py:1"),
+        Event("recv", 1, 8, at="c.py:2"),
+    ]
+    traffic.waits[0].append(Wait(after=3, of=2))
+    # Rank 1: a receive from 0, a wait for it, then a send back.
+    traffic.per_rank[1] += [Event("recv", 0, 8, at="c.py:5"), Event("send", 0, 8, at="c.py:6")]
+    traffic.waits[1].append(Wait(after=1, of=0))
+    traffic.local = [
+        # (events, waits) on record when the gap ended: 1 s computing before the mark (so
+        # before the send), 2 s asleep before the receive, 0.5 s before the wait, 0.25 s
+        # before it returned.
+        _timed([((0, 0), 1.0, 0.0), ((2, 0), 0.0, 2.0), ((3, 0), 0.5, 0.0), ((3, 1), 0.25, 0)]),
+        # 0.1 s before its wait, 3 s computing before its send.
+        _timed([((1, 0), 0.1, 0.0), ((1, 1), 3.0, 0.0)]),
+    ]
+    work = traffic.local_work()
+    assert work is not None
+    assert [e["op"] for e in traffic.messages()[0]] == ["send", "recv", "wait"]
+    assert work[0].before == (1.0, 2.0, 0.5) and work[0].tail == 0.25
+    assert work[0].longest_outside == (2.0, "before the recv at c.py:2")
+    assert [e["op"] for e in traffic.messages()[1]] == ["recv", "wait", "send"]
+    assert work[1].before == (0.0, 0.1, 3.0) and work[1].tail == 0.0
+    assert work[1].longest_cpu == (3.0, "before the send at c.py:6")
+    # Rank 1 can send only at 1 + 3 s; rank 0 waits for that until 4 s, then works 0.25 s.
+    timed = Timed(traffic.messages(), work)
+    assert timed.critical_path() == pytest.approx(4.25)
+    assert project(traffic.messages(), LOCAL_WORK) == 0.0  # the messages alone cost nothing
+
+
+def test_a_call_with_a_rank_not_measured_has_no_local_work() -> None:
+    traffic = Traffic.empty(2)
+    traffic.local = [_timed([]), LocalTime.unmeasured()]
+    assert traffic.local_work() is None
+    assert Timed.of(traffic) is None
+
+
+def test_the_busier_ratio_decides_and_unjudged_local_work_says_why() -> None:
+    log = [
+        [{"op": "send", "peer": 1, "nbytes": 8, "tag": 0}],
+        [{"op": "recv", "peer": 0, "nbytes": 8, "tag": 0}, {"op": "wait", "of": 0}],
+    ]
+
+    def timed(seconds: float) -> Timed:
+        idle = RankWork((0.0, 0.0), 0.0, 0.0, 0.0, 0.0, (0.0, ""), (0.0, ""))
+        slept = RankWork((seconds,), 0.0, 0.0, seconds, 0.0, (0.0, ""), (seconds, "before x"))
+        return Timed(log, [slept, idle])
+
+    slow = judge_performance("all_reduce", 2, 8, log, log, 1.5, 3.0, timed(0.05), timed(0.01))
+    assert slow.fraction == 0.0 and slow.details["local_ratio"] == pytest.approx(5.0)
+    assert slow.message.splitlines()[1].startswith("  your local work, timed on this machine")
+    assert "50.00 ms neither computing nor in a message" in slow.message
+    assert "(50.00 ms of it before x)" in slow.message
+    fair = judge_performance("all_reduce", 2, 8, log, log, 1.5, 3.0, timed(0.01), timed(0.01))
+    assert fair.fraction == 1.0
+    alone = judge_performance("all_reduce", 2, 8, log, log, 1.5, 3.0, timed(0.05), NO_REFERENCE)
+    assert alone.fraction == 1.0 and alone.details["local_ratio"] is None
+    assert f"local work not judged: {NO_REFERENCE}" in alone.message
