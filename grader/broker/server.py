@@ -47,6 +47,7 @@ from grader.broker.ops import (
 from grader.broker.traffic import Event, GatePass, Wait
 from grader.failures import Fault
 from grader.protocol import ProtocolError, RankError, RankExit, clean, field_int
+from grader.segment import take_payloads
 from grader.wire import Frame
 
 
@@ -157,6 +158,7 @@ class Broker(Matching):
             return  # nothing a rank says after breaking the protocol counts in this call
         handler = getattr(self, f"rank_{frame.header['type']}", None)
         try:
+            take_payloads(state.segment, frame)
             if handler is None:
                 raise ProtocolError(f"unknown message {clean(frame.header['type'], 40)!r}")
             handler(state, frame)
