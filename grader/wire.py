@@ -11,6 +11,10 @@ accepts only the node kinds below, known dtypes, sane shapes and buffers of
 exactly the right length, within fixed limits. Anything else is a
 :class:`WireError`, and the trusted side treats the sender as broken.
 
+A rank of the broker's machine may instead leave a frame's payloads in its
+shared segment, the header's ``shm`` field saying where (:mod:`grader.segment`);
+the trusted side copies them out before this module decodes anything.
+
 A tensor travels with its strides and storage offset, so that a
 non-contiguous view made on the trusted side is a non-contiguous view on the
 rank, and the caller's tensors come back as the caller's tensors.

@@ -4,6 +4,9 @@ A rank is who its socket says: each has a Unix socket of its own, bound into
 its sandbox alone, which accepts one connection; a rank on another node
 reaches :meth:`Connections.serve` through its trusted relay. Every frame read
 is handed, under the lock, to the broker's rules (:class:`grader.broker.server.Broker`).
+A rank of this machine gets its shared-memory segment (:mod:`grader.segment`) in the
+first frame on its connection; what the broker sends it goes through the segment when
+it fits there. A relayed rank gets none.
 
 The lock's condition is the pool's one event path: a frame handled, a rank's connection
 ended, a relay's word of how its rank ended, and, from outside, the job's end
