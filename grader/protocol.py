@@ -81,6 +81,7 @@ CALL = "call"
 DONE = "done"
 REFUSED = "refused"
 DUMP_STACK = "dump_stack"
+SEGMENT = "segment"  # the rank's shared-memory segment, its descriptor attached (grader.segment)
 # Frame types between the grader's processes on several nodes.
 CHALLENGE = "challenge"
 JOIN = "join"

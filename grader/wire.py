@@ -11,6 +11,10 @@ accepts only the node kinds below, known dtypes, sane shapes and buffers of
 exactly the right length, within fixed limits. Anything else is a
 :class:`WireError`, and the trusted side treats the sender as broken.
 
+A rank of the broker's machine may instead leave a frame's payloads in its
+shared segment, the header's ``shm`` field saying where (:mod:`grader.segment`);
+the trusted side copies them out before this module decodes anything.
+
 A tensor travels with its strides and storage offset, so that a
 non-contiguous view made on the trusted side is a non-contiguous view on the
 rank, and the caller's tensors come back as the caller's tensors.
@@ -62,10 +66,13 @@ class Frame:
     buffers: list[bytes] = field(default_factory=list)
 
 
-def send_frame(sock: socket.socket, frame: Frame) -> None:
+def send_frame(sock: socket.socket, frame: Frame, fds: list[int] | None = None) -> None:
+    """Write ``frame``; ``fds`` (a Unix socket's) travel with its first byte (``SCM_RIGHTS``)."""
     header = json.dumps(frame.header, separators=(",", ":")).encode()
     lengths = struct.pack(f"!{len(frame.buffers)}Q", *map(len, frame.buffers))
-    sock.sendall(_PREFIX.pack(len(header), len(frame.buffers)) + lengths + header)
+    head = _PREFIX.pack(len(header), len(frame.buffers)) + lengths + header
+    sent = socket.send_fds(sock, [head], fds) if fds else 0
+    sock.sendall(head[sent:])
     for buffer in frame.buffers:
         sock.sendall(buffer)
 
@@ -74,14 +81,17 @@ def recv_frame(
     sock: socket.socket,
     max_bytes: int = MAX_FRAME_BYTES,
     began: Callable[[], None] | None = None,
+    fds: list[int] | None = None,
 ) -> Frame | None:
     """The next frame, or None when the peer closed the connection cleanly.
 
     ``max_bytes`` caps the header and buffers together before anything is allocated
     (a stranger's first frame, before it proved who it is, gets a small cap).
     ``began`` is called once the frame's first bytes are in, before the rest is read.
+    ``fds``: descriptors that come with the frame's first bytes are appended there
+    (without it, the kernel closes any that come).
     """
-    prefix = _recv_exactly(sock, _PREFIX.size, eof_ok=True)
+    prefix = _recv_prefix(sock, fds)
     if prefix is None:
         return None
     if began is not None:
@@ -99,6 +109,16 @@ def recv_frame(
     if not isinstance(header, dict) or not isinstance(header.get("type"), str):
         raise WireError("header is not an object with a type")
     return Frame(header, [_recv_exactly(sock, n) for n in lengths])
+
+
+def _recv_prefix(sock: socket.socket, fds: list[int] | None) -> Any:
+    if fds is None:
+        return _recv_exactly(sock, _PREFIX.size, eof_ok=True)
+    data, got, _, _ = socket.recv_fds(sock, _PREFIX.size, 1)
+    fds.extend(got)
+    if not data:
+        return None
+    return data + bytes(_recv_exactly(sock, _PREFIX.size - len(data)))
 
 
 def _recv_exactly(sock: socket.socket, n: int, eof_ok: bool = False) -> Any:

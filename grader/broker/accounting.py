@@ -67,8 +67,11 @@ def read(pid: int) -> Reading | None:
         return None
     for tid in threads:
         try:
-            with open(f"/proc/{pid}/task/{tid}/schedstat", "rb") as stat:
-                on_cpu, queued, _ = stat.read().split()
+            fd = os.open(f"/proc/{pid}/task/{tid}/schedstat", os.O_RDONLY)
+            try:
+                on_cpu, queued, _ = os.read(fd, 128).split()
+            finally:
+                os.close(fd)
         except (OSError, ValueError):
             continue  # a thread that ended while we read
         cpu += int(on_cpu)

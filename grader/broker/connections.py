@@ -4,6 +4,9 @@ A rank is who its socket says: each has a Unix socket of its own, bound into
 its sandbox alone, which accepts one connection; a rank on another node
 reaches :meth:`Connections.serve` through its trusted relay. Every frame read
 is handed, under the lock, to the broker's rules (:class:`grader.broker.server.Broker`).
+A rank of this machine gets its shared-memory segment (:mod:`grader.segment`) in the
+first frame on its connection; what the broker sends it goes through the segment when
+it fits there. A relayed rank gets none.
 
 The lock's condition is the pool's one event path: a frame handled, a rank's connection
 ended, a relay's word of how its rank ended, and, from outside, the job's end
@@ -20,10 +23,11 @@ import time
 from abc import ABC, abstractmethod
 from pathlib import Path
 
-from grader import protocol, wire
+from grader import protocol, segment, wire
 from grader.broker import accounting
 from grader.broker.accounting import Reading
 from grader.broker.ops import RankState
+from grader.segment import BrokerSegment
 from grader.wire import Frame
 
 
@@ -63,6 +67,9 @@ class Connections(ABC):
                     with contextlib.suppress(OSError):
                         state.sock.shutdown(socket.SHUT_RDWR)
                     state.sock.close()
+                if state.segment is not None:
+                    state.segment.close()
+                    state.segment = None
             for listener in self._listeners:
                 listener.close()
 
@@ -89,6 +96,7 @@ class Connections(ABC):
                 sock.close()
                 return
             state.sock, state.pid = sock, pid
+            state.segment = None if relayed else _offer_segment(sock)
             self._cv.notify_all()
         began: list[Reading | None] = []
 
@@ -113,16 +121,21 @@ class Connections(ABC):
                 with self._cv:
                     self._broke(rank, str(err))
         with self._cv:
-            self._ranks[rank].alive = False
+            state.alive = False
+            if state.segment is not None:
+                state.segment.close()
+                state.segment = None
             self._cv.notify_all()
 
     def _send(self, rank: int, frame: Frame) -> None:
-        sock = self._ranks[rank].sock
-        if sock is not None and self._ranks[rank].alive:
+        state = self._ranks[rank]
+        if state.sock is not None and state.alive:
+            if state.segment is not None:
+                frame = state.segment.place(frame)
             try:
-                wire.send_frame(sock, frame)
+                wire.send_frame(state.sock, frame)
             except OSError:
-                self._ranks[rank].alive = False
+                state.alive = False
 
     @abstractmethod
     def _handle(self, rank: int, frame: Frame) -> None:
@@ -139,3 +152,21 @@ class Connections(ABC):
     @abstractmethod
     def _broke(self, rank: int, error: str) -> None:
         """``rank``'s bytes broke the frame format: its connection is read no further."""
+
+
+def _offer_segment(sock: socket.socket) -> BrokerSegment | None:
+    """A new segment for the rank at the other end of ``sock``, its descriptor sent in the
+    rank's first frame; None where the system has none to give (payloads go in frames)."""
+    if not segment.AVAILABLE:
+        return None
+    try:
+        shared = BrokerSegment()
+    except OSError:
+        return None
+    try:
+        wire.send_frame(sock, Frame({"type": protocol.SEGMENT}), [shared.fd])
+    except OSError:
+        shared.close()
+        return None
+    shared.handed()
+    return shared

@@ -12,6 +12,7 @@ from grader import wire
 from grader.broker.accounting import LocalTime
 from grader.failures import Fault
 from grader.protocol import ProtocolError, RankError, TensorMeta, clean, field_int
+from grader.segment import BrokerSegment
 from grader.wire import Frame
 
 
@@ -164,6 +165,7 @@ class RankState:
     posted: int = 0  # operations and marks posted in this call
     broken: bool = False  # broke the protocol in this call: the call is over for it
     pid: int | None = None  # its process, as its socket's peer (None: reached by a relay)
+    segment: BrokerSegment | None = None  # its shared memory (None: reached by a relay)
     local: LocalTime = field(default_factory=LocalTime.unmeasured)  # this call's local time
 
     def start_call(self, gates: list[Gate]) -> None:

@@ -17,11 +17,12 @@ faults exactly and at once, with no timeout:
 - a rank that costs the trusted side more than :class:`~grader.broker.ops.Limits` allows.
 
 A frame is checked against what it carries (a payload of exactly the bytes its
-description says), and a received message or a collective's result is handed
-to its rank only once the rank waits for it (``wait``, ``is_completed``,
-``get_future``): the waits the broker records are then the points after which
-a rank can have used what it received, which is what the replays of
-:mod:`grader.judge.replay` rest on.
+description says; payloads a frame names in the rank's shared segment are first copied
+into the broker's memory, :mod:`grader.segment`, and only that copy is used), and a
+received message or a collective's result is handed to its rank only once the rank
+waits for it (``wait``, ``is_completed``, ``get_future``): the waits the broker records
+are then the points after which a rank can have used what it received, which is what
+the replays of :mod:`grader.judge.replay` rest on.
 
 One thread reads each rank; all state is guarded by one lock. Handlers are
 ``rank_<type>`` methods, one per message type of :mod:`grader.protocol`; the rules that
@@ -47,6 +48,7 @@ from grader.broker.ops import (
 from grader.broker.traffic import Event, GatePass, Wait
 from grader.failures import Fault
 from grader.protocol import ProtocolError, RankError, RankExit, clean, field_int
+from grader.segment import take_payloads
 from grader.wire import Frame
 
 
@@ -157,6 +159,7 @@ class Broker(Matching):
             return  # nothing a rank says after breaking the protocol counts in this call
         handler = getattr(self, f"rank_{frame.header['type']}", None)
         try:
+            take_payloads(state.segment, frame)
             if handler is None:
                 raise ProtocolError(f"unknown message {clean(frame.header['type'], 40)!r}")
             handler(state, frame)

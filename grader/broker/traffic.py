@@ -30,7 +30,7 @@ class Event:
     posted: float = field(default_factory=monotonic, compare=False)
     # The bytes a send carried, or a collective's inputs end to end: for tests that check what
     # a message holds, not only its size. Empty for a receive.
-    payload: bytes | bytearray = field(default=b"", repr=False, compare=False)
+    payload: bytes | bytearray | memoryview = field(default=b"", repr=False, compare=False)
     # A collective's inputs one by one: an all-to-all's bytes for each destination, in order.
     pieces: tuple[int, ...] = field(default=(), compare=False)
     # A broadcast's source, a global rank, as the broker computed it; -1 for any other op.

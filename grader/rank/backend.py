@@ -23,7 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from grader import protocol, wire
+from grader import protocol
 from grader.rank.frames import student_location
 from grader.rank.link import BrokerLink, PendingOp
 from grader.wire import Frame
@@ -80,7 +80,7 @@ class BrokerGroup(dist.ProcessGroup):
         _check_contiguous(tensor, "send")
         return self._post(
             protocol.SEND,
-            [wire.tensor_buffer(tensor)],
+            [tensor],
             [],
             lambda frame: None,
             peer=dst,
@@ -182,7 +182,7 @@ class BrokerGroup(dist.ProcessGroup):
 
         return self._post(
             protocol.COLLECTIVE,
-            [wire.tensor_buffer(t) for t in inputs],
+            list(inputs),
             outputs,
             deliver,
             name=name,
@@ -195,7 +195,7 @@ class BrokerGroup(dist.ProcessGroup):
     def _post(
         self,
         kind: str,
-        buffers: list[bytes],
+        buffers: list[torch.Tensor],
         result: list[torch.Tensor],
         deliver: Callable[[Frame], None],
         **header: Any,
@@ -236,11 +236,12 @@ def _meta(tensor: torch.Tensor) -> dict[str, Any]:
     return {"dtype": str(tensor.dtype).removeprefix("torch."), "numel": tensor.numel()}
 
 
-def _fill(tensor: torch.Tensor, buffer: bytes) -> None:
+def _fill(tensor: torch.Tensor, buffer: bytearray | memoryview) -> None:
+    """Copy what arrived (a frame's buffer, or a view of the segment) into ``tensor``."""
     if len(buffer) != tensor.numel() * tensor.element_size():
         raise ValueError(f"{len(buffer)} bytes arrived for a tensor of {tensor.numel()} elements")
     if buffer:
-        data = torch.frombuffer(bytearray(buffer), dtype=torch.uint8).view(tensor.dtype)
+        data = torch.frombuffer(buffer, dtype=torch.uint8).view(tensor.dtype)
         with torch.no_grad():
             tensor.copy_(data.view(tensor.shape))
 

@@ -5,6 +5,11 @@ receives, collectives); a reader thread takes the broker's answers and
 completes them. Calls to run arrive on the same connection and queue up for
 the main thread. Nothing here is trusted: the broker decides what happened,
 this side only carries it.
+
+A rank that the broker reaches by its own socket gets a shared-memory segment
+in the broker's first frame (:mod:`grader.segment`): payloads that fit go
+through it, the frames carrying only where they lie; the others, and every
+payload of a rank behind a relay, travel in the frames.
 """
 
 from __future__ import annotations
@@ -17,8 +22,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from grader import protocol, wire
+from grader.segment import RankSegment
 from grader.wire import Frame
+
+Payload = bytes | torch.Tensor
 
 
 class BrokerRefused(RuntimeError):
@@ -69,16 +79,25 @@ class BrokerLink:
         self._pending: dict[int, PendingOp] = {}
         self.calls: queue.Queue[Frame | None] = queue.Queue()
         self.stack_reader: Callable[[], list[str]] = lambda: []
+        self.segment: RankSegment | None = None
+        self._fds: list[int] = []  # descriptors the broker passed, not yet taken
         threading.Thread(target=self._read, name="broker-link", daemon=True).start()
         _current = self
 
-    def post(self, kind: str, buffers: list[bytes] | None = None, **header: Any) -> None:
-        frame = Frame({"type": kind, **header}, buffers or [])
+    def post(self, kind: str, payloads: list[Payload] | None = None, **header: Any) -> None:
+        """Send a frame with ``payloads`` (a tensor goes as its elements, row-major)."""
+        payloads = payloads or []
         with self._write_lock:
+            places = self.segment.put(payloads) if self.segment and payloads else None
+            if places is not None:
+                frame = Frame({"type": kind, **header, "shm": places})
+            else:
+                buffers = [_bytes(payload) for payload in payloads]
+                frame = Frame({"type": kind, **header}, buffers)
             wire.send_frame(self.sock, frame)
 
     def start_op(
-        self, kind: str, on_done: Callable[[Frame], None], buffers: list[bytes], **header: Any
+        self, kind: str, on_done: Callable[[Frame], None], buffers: list[Payload], **header: Any
     ) -> PendingOp:
         op = PendingOp(next(self._ids), on_done)
         self._pending[op.id] = op
@@ -87,10 +106,15 @@ class BrokerLink:
 
     def _read(self) -> None:
         try:
-            while (frame := wire.recv_frame(self.sock)) is not None:
+            while (frame := wire.recv_frame(self.sock, fds=self._fds)) is not None:
+                places = frame.header.get("shm")
+                if places is not None and self.segment is not None:
+                    frame.buffers = self.segment.views(places)
                 handler = getattr(self, f"broker_{frame.header['type']}", None)
                 if handler is not None:
                     handler(frame)
+                if places is not None and self.segment is not None:
+                    self.segment.release(places)
         except (OSError, wire.WireError):
             pass
         # The grader is gone: nothing this rank does can count any more.
@@ -101,7 +125,12 @@ class BrokerLink:
 
     # -- what the broker sends, one method per message -------------------------------------
 
+    def broker_segment(self, frame: Frame) -> None:
+        if self._fds and self.segment is None:
+            self.segment = RankSegment(self._fds.pop(0))
+
     def broker_call(self, frame: Frame) -> None:
+        frame.buffers = [bytes(buffer) for buffer in frame.buffers]  # the ring is reused
         self.calls.put(frame)
 
     def broker_done(self, frame: Frame) -> None:
@@ -122,3 +151,7 @@ class BrokerLink:
 
     def broker_dump_stack(self, frame: Frame) -> None:
         self.post(protocol.STACK, frames=self.stack_reader())
+
+
+def _bytes(payload: Payload) -> bytes:
+    return wire.tensor_buffer(payload) if isinstance(payload, torch.Tensor) else payload

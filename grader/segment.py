@@ -1,0 +1,214 @@
+"""A rank's shared-memory segment: how payloads move between the broker and a rank of its machine.
+
+The broker makes one segment per rank it reaches by its own Unix socket (never for a
+rank on another node, whose relay has no shared memory): a memfd, sealed so that its
+size can never change (a rank cannot shrink it under the broker's reads), mapped by the
+broker and passed to the rank with ``SCM_RIGHTS`` in the first frame the rank gets
+(:data:`grader.protocol.SEGMENT`). It holds two rings::
+
+    control (64 bytes) | out ring (the rank writes, the broker reads) | in ring (the reverse)
+
+A frame whose payloads lie in a ring carries, instead of buffers, ``"shm": [[pos, len], ...]``
+in its header: ``pos`` counts bytes from the ring's start forever, so its place in the ring
+is ``pos % size``. Each side writes into its ring only what the other has consumed, as the
+other says in the control block (the broker writes how far it read the out ring, the rank
+how far it read the in ring); a payload that does not fit goes in the frame as before.
+
+Nothing the rank writes is trusted. The broker copies a frame's payloads out of the out
+ring into its own memory as it reads the frame, before anything looks at them, and uses
+only its copy: what the rank writes there afterwards changes nothing the broker recorded,
+checked or hands on. Positions out of the ring are a broken protocol. The broker never reads
+the in ring; the rank's count of what it consumed only decides whether the broker's next
+payload goes in the ring or in the frame, and a rank that lies about it garbles only what
+it receives itself.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import mmap
+import os
+import struct
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from grader import wire
+
+RING_BYTES = 16 << 20  # each direction; bigger payloads travel in the frame
+CONTROL_BYTES = 64
+SEGMENT_BYTES = CONTROL_BYTES + 2 * RING_BYTES
+_OUT_READ, _IN_READ = 0, 8  # the control block: how far each ring has been consumed
+_COUNTER = struct.Struct("=Q")
+_MAX_POSITION = 1 << 62
+#: Linux has sealed memfds; elsewhere (a student's Mac) every payload travels in its frame.
+AVAILABLE = hasattr(os, "memfd_create") and hasattr(fcntl, "F_SEAL_SHRINK")
+_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL if AVAILABLE else 0
+
+
+class Ring:
+    """Where the writer of one ring puts its next payloads: positions count bytes forever."""
+
+    def __init__(self, start: int, size: int) -> None:
+        self.start, self.size = start, size
+        self.head = 0  # the position after the last payload written
+
+    def reserve(self, lengths: Sequence[int], consumed: int) -> list[list[int]] | None:
+        """A position for each payload, all of them fitting beside what the reader has not
+        yet consumed; None (and nothing reserved) if they do not."""
+        head, places = self.head, []
+        for length in lengths:
+            offset = head % self.size
+            if offset + length > self.size:  # never split a payload: start again at 0
+                head += self.size - offset
+            if head + length - consumed > self.size:
+                return None
+            places.append([head, length])
+            head += length
+        self.head = head
+        return places
+
+    def span(self, place: list[int]) -> slice:
+        """The bytes of the segment that ``place`` names (checked)."""
+        offset = place[0] % self.size
+        return slice(self.start + offset, self.start + offset + place[1])
+
+
+def _places(raw: Any, ring: Ring) -> list[list[int]]:
+    """The header's ``shm`` field as checked (position, length) pairs: a WireError unless
+    every one lies inside the ring."""
+    if not isinstance(raw, list) or len(raw) > wire.MAX_BUFFERS:
+        raise wire.WireError("shared-memory payloads are not a list")
+    for place in raw:
+        if not (
+            isinstance(place, list)
+            and len(place) == 2
+            and all(type(v) is int for v in place)
+            and 0 <= place[0] < _MAX_POSITION
+            and 0 <= place[1] <= ring.size - place[0] % ring.size
+        ):
+            raise wire.WireError("a shared-memory payload outside the segment")
+    return raw
+
+
+class BrokerSegment:
+    """The broker's side of one rank's segment."""
+
+    def __init__(self) -> None:
+        fd = os.memfd_create("grader-segment", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        try:
+            os.ftruncate(fd, SEGMENT_BYTES)
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _SEALS)
+            self.map = mmap.mmap(fd, SEGMENT_BYTES)
+        except BaseException:
+            os.close(fd)
+            raise
+        self.fd = fd  # passed to the rank once, then closed here (-1)
+        self.out = Ring(CONTROL_BYTES, RING_BYTES)
+        self.into = Ring(CONTROL_BYTES + RING_BYTES, RING_BYTES)
+        self._seen = 0  # the most of the in ring the rank has said it consumed
+
+    def handed(self) -> None:
+        """The rank has its descriptor (or never will): the broker keeps only its mapping."""
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+    def take(self, frame: wire.Frame) -> None:
+        """Replace a frame's ring payloads by the broker's own copy of them, at once."""
+        raw = frame.header.pop("shm")
+        if frame.buffers:
+            raise wire.WireError("a frame with payloads both in the segment and in the frame")
+        places = _places(raw, self.out)
+        frame.buffers = [self._copy(self.out.span(place)) for place in places]
+        if places:
+            _COUNTER.pack_into(self.map, _OUT_READ, places[-1][0] + places[-1][1])
+
+    def _copy(self, span: slice) -> memoryview:
+        """The bytes of ``span``, copied into the broker's memory (by torch, which lets the
+        other ranks' threads run meanwhile), read-only."""
+        length = span.stop - span.start
+        if not length:
+            return memoryview(b"")
+        shared = torch.frombuffer(self.map, dtype=torch.uint8, count=length, offset=span.start)
+        return memoryview(shared.clone().numpy()).toreadonly()
+
+    def place(self, frame: wire.Frame) -> wire.Frame:
+        """``frame`` with its payloads copied into the in ring, if they fit there."""
+        if not frame.buffers:
+            return frame
+        claimed = _COUNTER.unpack_from(self.map, _IN_READ)[0]
+        self._seen = min(max(claimed, self._seen), self.into.head)  # a hint, kept in bounds
+        places = self.into.reserve([len(b) for b in frame.buffers], self._seen)
+        if places is None:
+            return frame
+        for place, buffer in zip(places, frame.buffers, strict=True):
+            self.map[self.into.span(place)] = buffer
+        return wire.Frame({**frame.header, "shm": places})
+
+    def close(self) -> None:
+        self.handed()
+        self.map.close()
+
+
+def take_payloads(segment: BrokerSegment | None, frame: wire.Frame) -> None:
+    """The broker's own copy of the payloads a frame names in its rank's segment, if any; a
+    WireError if they lie outside it, or the rank was never given one (a relayed rank)."""
+    if "shm" in frame.header:
+        if segment is None:
+            raise wire.WireError("payloads in a shared segment the rank was never given")
+        segment.take(frame)
+
+
+class RankSegment:
+    """The rank's side of its segment, from the descriptor the broker passed."""
+
+    def __init__(self, fd: int) -> None:
+        try:
+            self.map = mmap.mmap(fd, SEGMENT_BYTES)
+        finally:
+            os.close(fd)
+        self.out = Ring(CONTROL_BYTES, RING_BYTES)
+        self.into = Ring(CONTROL_BYTES + RING_BYTES, RING_BYTES)
+
+    def put(self, payloads: Sequence[bytes | torch.Tensor]) -> list[list[int]] | None:
+        """Write ``payloads`` into the out ring: their places, or None if they do not fit."""
+        flat = [_bytes_of(p) for p in payloads]
+        consumed = _COUNTER.unpack_from(self.map, _OUT_READ)[0]
+        places = self.out.reserve([_length(p) for p in flat], consumed)
+        if places is None:
+            return None
+        for place, payload in zip(places, flat, strict=True):
+            span = self.out.span(place)
+            if isinstance(payload, torch.Tensor):
+                if place[1]:
+                    target = torch.frombuffer(
+                        self.map, dtype=torch.uint8, count=place[1], offset=span.start
+                    )
+                    target.copy_(payload)
+            else:
+                self.map[span] = payload
+        return places
+
+    def views(self, raw: Any) -> list[memoryview]:
+        """The in ring's payloads that a frame from the broker names, valid until
+        :meth:`release`."""
+        whole = memoryview(self.map)
+        return [whole[self.into.span(place)] for place in _places(raw, self.into)]
+
+    def release(self, raw: list[list[int]]) -> None:
+        """The payloads of a frame are consumed: the broker may write over them."""
+        if raw:
+            _COUNTER.pack_into(self.map, _IN_READ, raw[-1][0] + raw[-1][1])
+
+
+def _bytes_of(payload: bytes | torch.Tensor) -> bytes | torch.Tensor:
+    """A tensor as its elements' bytes in row-major order (a flat uint8 tensor)."""
+    if isinstance(payload, torch.Tensor):
+        return payload.detach().cpu().contiguous().view(-1).view(torch.uint8)
+    return payload
+
+
+def _length(payload: bytes | torch.Tensor) -> int:
+    return payload.numel() if isinstance(payload, torch.Tensor) else len(payload)

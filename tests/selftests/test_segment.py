@@ -1,0 +1,191 @@
+"""The shared-memory segments payloads move through (``grader/segment.py``), against a rank
+that writes what it likes into its own.
+
+What the broker records and hands on is its own copy, made once as it reads the frame: a
+rank that rewrites its ring afterwards changes neither. A frame naming bytes outside the
+ring breaks the protocol; the segment's size is sealed; no segment outlives its job.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from runner import SUBMISSIONS
+
+from grader import failures, sandbox, wire
+from grader.course.submission import stage
+from grader.launch.job import job_settings
+from grader.launch.world import CallLimits, RankPool
+from grader.segment import RING_BYTES, BrokerSegment, RankSegment, Ring, take_payloads
+from grader.wire import Frame
+
+
+@pytest.fixture
+def pair() -> Iterator[tuple[BrokerSegment, RankSegment]]:
+    """A broker's segment and the rank's side of it, in this one process."""
+    broker = BrokerSegment()
+    rank = RankSegment(os.dup(broker.fd))
+    broker.handed()
+    yield broker, rank
+    broker.close()
+
+
+def test_what_the_broker_took_is_its_own_copy(pair: tuple[BrokerSegment, RankSegment]) -> None:
+    broker, rank = pair
+    sent = torch.arange(1000, dtype=torch.float32)
+    places = rank.put([sent, b"header bytes"])
+    assert places is not None
+    frame = Frame({"type": "send", "shm": places})
+    broker.take(frame)
+    rank.map[rank.out.start : rank.out.start + rank.out.size] = b"\x07" * rank.out.size
+    assert bytes(frame.buffers[0]) == sent.numpy().tobytes()
+    assert bytes(frame.buffers[1]) == b"header bytes"
+    assert "shm" not in frame.header
+
+
+@pytest.mark.parametrize(
+    "places",
+    [
+        [[RING_BYTES - 8, 16]],
+        [[0, RING_BYTES + 1]],
+        [[-1, 4]],
+        [[1 << 62, 4]],
+        [["0", 4]],
+        [[0, True]],
+        [[0, 4, 4]],
+        "everything",
+    ],
+)
+def test_a_payload_outside_the_ring_breaks_the_protocol(
+    pair: tuple[BrokerSegment, RankSegment], places: object
+) -> None:
+    broker, _ = pair
+    with pytest.raises(wire.WireError, match="shared-memory payload"):
+        broker.take(Frame({"type": "send", "shm": places}))
+
+
+def test_payloads_in_the_frame_and_the_ring_at_once_break_the_protocol(
+    pair: tuple[BrokerSegment, RankSegment],
+) -> None:
+    broker, _ = pair
+    with pytest.raises(wire.WireError, match="both"):
+        broker.take(Frame({"type": "send", "shm": [[0, 4]]}, [b"abcd"]))
+    with pytest.raises(wire.WireError, match="never given"):
+        take_payloads(None, Frame({"type": "send", "shm": [[0, 4]]}))  # a relayed rank
+
+
+def test_the_segment_cannot_change_size() -> None:
+    broker = BrokerSegment()
+    try:
+        for size in (0, os.fstat(broker.fd).st_size * 2):
+            with pytest.raises(PermissionError):
+                os.ftruncate(broker.fd, size)
+    finally:
+        broker.close()
+
+
+def test_the_in_ring_never_overwrites_what_the_rank_has_not_consumed(
+    pair: tuple[BrokerSegment, RankSegment],
+) -> None:
+    broker, rank = pair
+    chunk = b"x" * (RING_BYTES // 3)
+    held = [broker.place(Frame({"type": "done"}, [chunk])) for _ in range(4)]
+    assert [("shm" in f.header) for f in held] == [True, True, True, False]  # the 4th waits
+    assert held[3].buffers == [chunk]  # it travels in the frame instead
+    assert bytes(rank.views(held[0].header["shm"])[0]) == chunk
+    rank.release(held[0].header["shm"])
+    assert "shm" in broker.place(Frame({"type": "done"}, [chunk])).header
+
+
+def test_a_rank_that_lies_about_what_it_consumed_garbles_only_its_own_ring(
+    pair: tuple[BrokerSegment, RankSegment],
+) -> None:
+    broker, rank = pair
+    rank.release([[1 << 61, 0]])  # far ahead of anything the broker wrote
+    for _ in range(5):
+        frame = broker.place(Frame({"type": "done"}, [b"y" * (RING_BYTES // 2)]))
+        (place,) = frame.header["shm"]
+        assert broker.into.span(place).stop <= broker.into.start + RING_BYTES
+
+
+def test_a_payload_never_straddles_the_end_of_the_ring() -> None:
+    ring = Ring(0, 100)
+    assert ring.reserve([60], 0) == [[0, 60]]
+    assert ring.reserve([60], 0) is None  # 40 bytes left at the end, 0 at the start
+    assert ring.reserve([60], 60) == [[100, 60]]  # starts over at offset 0
+    assert ring.reserve([10, 50], 160) == [[160, 10], [200, 50]]
+
+
+# -- a rank of a real job, sandboxed ------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def pool(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RankPool]:
+    work = tmp_path_factory.mktemp("segment")
+    stage(SUBMISSIONS / "segment_attacks", work / "import")
+    level = sandbox.detect("auto")
+    pool = RankPool(2, job_settings(work, level, "cpu"))
+    yield pool
+    pool.close()
+
+
+def _segments_here() -> list[str]:
+    """This process's descriptors and mappings of a grader segment."""
+    found = [
+        f"fd {name}"
+        for name in os.listdir("/proc/self/fd")
+        if "grader-segment" in _link(f"/proc/self/fd/{name}")
+    ]
+    maps = Path("/proc/self/maps").read_text().splitlines()
+    return found + [line for line in maps if "grader-segment" in line]
+
+
+def _link(path: str) -> str:
+    try:
+        return os.readlink(path)
+    except OSError:
+        return ""
+
+
+def test_a_rank_rewriting_its_ring_after_a_send_changes_nothing(pool: RankPool) -> None:
+    n = 1 << 18  # 1 MiB: in the ring
+    out = pool.call(2, "function", "collectives.rewrite_after_send", [(n,)] * 2,
+                    CallLimits(timeout=60), "")  # fmt: skip
+    rewrites, received = out.returned
+    assert rewrites > 0  # the ring was there, and written over while the message waited
+    assert torch.equal(received, torch.ones(n))
+    send = next(e for e in out.traffic.per_rank[0] if e.op == "send" and e.tag == 1)
+    assert send.nbytes == 4 * n and bytes(send.payload) == torch.ones(n).numpy().tobytes()
+    assert out.traffic.delivered[1] >= 4 * n
+
+
+def test_a_frame_naming_bytes_outside_its_segment_breaks_the_protocol(pool: RankPool) -> None:
+    with pytest.raises(failures.RankFailure, match="outside the segment"):
+        pool.call(2, "function", "collectives.place_outside", [()] * 2,
+                  CallLimits(timeout=60), "")  # fmt: skip
+
+
+def test_a_rank_cannot_resize_its_segment(pool: RankPool) -> None:
+    out = pool.call(2, "function", "collectives.shrink_segment", [()] * 2,
+                    CallLimits(timeout=60), "")  # fmt: skip
+    assert out.returned == [2, 2]  # shrinking and growing, both refused
+    test_a_rank_rewriting_its_ring_after_a_send_changes_nothing(pool)
+
+
+def test_no_segment_outlives_its_job(tmp_path: Path) -> None:
+    stage(SUBMISSIONS / "segment_attacks", tmp_path / "import")
+    shm_before, before = set(os.listdir("/dev/shm")), _segments_here()
+    pool = RankPool(2, job_settings(tmp_path, sandbox.detect("auto"), "cpu"))
+    try:
+        pool.call(2, "function", "collectives.rewrite_after_send", [(1024,)] * 2,
+                  CallLimits(timeout=60), "")  # fmt: skip
+        made = [s for s in _segments_here() if s not in before]
+        assert len(made) == 4  # per rank, a mapping and the descriptor it holds
+    finally:
+        pool.close()
+    assert _segments_here() == before
+    assert set(os.listdir("/dev/shm")) <= shm_before
