@@ -12,7 +12,9 @@ data: :mod:`grader.judge.reference_traces` rebuilds it), the geometric mean
 over the machines. The local work: each rank's CPU time and time spent
 neither computing nor in a message, from the kernel (never from the rank),
 laid on its messages and replayed on free links, against the reference's
-timed beside it on this machine (:func:`time_calls`). Full points within
+timed beside it on this machine (:func:`time_calls`), charging only what
+exceeds the reference's by more than an allowance (:func:`local_ratio`): the
+noise of timing on a busy machine. Full points within
 ``full_at`` times the reference, none beyond ``zero_at``, linear between.
 """
 
@@ -41,6 +43,7 @@ __all__ = [
     "Timing",
     "judge_communication",
     "judge_performance",
+    "local_ratio",
     "reference_messages",
     "time_calls",
 ]
@@ -157,6 +160,7 @@ def time_calls(
     reference: World | None,
     check: Callable[[CallResult, list[Expected]], None],
     within: float,
+    allowance: float,
 ) -> Timing:
     """Time the submission's call of ``function`` on ``n`` elements against the reference's,
     run in its own job on this machine: :data:`WARM_UPS` calls each, then rounds of
@@ -164,7 +168,7 @@ def time_calls(
     inputs, which differ from call to call (none can reuse another's work). ``check`` checks
     each of the submission's results. The least local work of each side is its time (the
     machine's noise only ever adds to it), with the submission's call that took it. While
-    the submission's is beyond ``within`` times the reference's, another round, up to
+    its :func:`local_ratio` (with ``allowance``) is beyond ``within``, another round, up to
     :data:`ROUNDS`: a busy moment of the machine's never costs points, a slow submission
     stays slow."""
     target, case = f"collectives.{function}", f"{function} of {n} float32 elements"
@@ -193,11 +197,21 @@ def time_calls(
         if theirs and (not best_theirs or theirs.critical_path() < best_theirs.critical_path()):
             best_theirs = theirs
         if (call + 1) % RUNS == 0 and (
-            best_theirs is None or best[0].critical_path() <= within * best_theirs.critical_path()
+            best_theirs is None or local_ratio(best[0], best_theirs, allowance) <= within
         ):
             break
     assert best is not None
     return Timing(best[1], best[0], best_theirs or NO_REFERENCE)
+
+
+def local_ratio(yours: Timed, reference: Timed, allowance: float) -> float:
+    """The submission's local work over the reference's, on their critical paths, charging
+    only what exceeds the reference's by more than ``allowance`` seconds: below that, a
+    difference is the noise of timing a call on a busy machine, not the submission's doing."""
+    mine, theirs = yours.critical_path(), reference.critical_path()
+    if theirs <= 0:
+        return 1.0
+    return 1.0 + max(0.0, mine - theirs - allowance) / theirs
 
 
 @replayable
@@ -211,6 +225,7 @@ def judge_performance(
     zero_at: float,
     yours: Timed | None = None,
     reference: Timed | str = "",
+    allowance: float = 0.0,
 ) -> Judgement:
     """The busier of two ratios to the reference: the messages' time on the machine models,
     and, where both calls were timed on this machine (``yours``, ``reference``), the local
@@ -233,7 +248,7 @@ def judge_performance(
             f"reference {duration(reference_s):>9}: {ratios[-1]:.2f}x"
         )
     messages = math.exp(sum(math.log(max(r, 1e-12)) for r in ratios) / len(ratios))
-    local, local_rows = _judge_local(yours, reference, details)
+    local, local_rows = _judge_local(yours, reference, allowance, details)
     ratio = max(messages, local or 0.0)
     fraction = 1.0 if ratio <= full_at else max(0.0, (zero_at - ratio) / (zero_at - full_at))
     details["messages_ratio"] = round(messages, 4)
@@ -248,7 +263,7 @@ def judge_performance(
 
 
 def _judge_local(
-    yours: Timed | None, reference: Timed | str, details: dict[str, Any]
+    yours: Timed | None, reference: Timed | str, allowance: float, details: dict[str, Any]
 ) -> tuple[float | None, list[str]]:
     """The local work's ratio to the reference's (None: not timed), and the lines that say it
     and where the time went."""
@@ -259,14 +274,16 @@ def _judge_local(
         details["local_ratio"] = None
         return None, [f"  local work not judged: {why}"]
     mine, theirs = yours.critical_path(), reference.critical_path()
-    ratio = mine / theirs if theirs > 0 else 1.0
+    ratio = local_ratio(yours, reference, allowance)
     details["local_ratio"] = round(ratio, 4)
+    details["local_allowance_seconds"] = allowance
     details["local_critical_path_seconds"] = {"student": mine, "reference": theirs}
     busiest = max(range(len(yours.work)), key=lambda r: yours.work[r].cpu + yours.work[r].outside)
     work = yours.work[busiest]
     return ratio, [
         f"  your local work, timed on this machine: {duration(mine)} on the call's critical "
-        f"path, the reference's {duration(theirs)}: {ratio:.2f}x",
+        f"path, the reference's {duration(theirs)}: {ratio:.2f}x (what is over the "
+        f"reference's by more than {duration(allowance)} counts)",
         f"    rank {busiest} spent {duration(work.cpu)} computing{_longest(work.longest_cpu)} "
         f"and {duration(work.outside)} neither computing nor in a message (a sleep or a wait "
         f"outside torch.distributed){_longest(work.longest_outside, work.outside)}",

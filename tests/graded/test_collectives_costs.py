@@ -77,6 +77,7 @@ def test_performance(
         reference,
         lambda out, expected: check_outputs(out, expected, function, n, world.size),
         options.full_points_within,
+        options.local_allowance_ms / 1e3,
     )
     judged = judge_performance(
         function,
@@ -88,6 +89,7 @@ def test_performance(
         options.zero_points_beyond,
         timing.yours,
         timing.reference,
+        options.local_allowance_ms / 1e3,
     )
     record.details.update(judged.details)
     record.credit(judged.fraction, judged.message)
