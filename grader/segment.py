@@ -108,6 +108,9 @@ class BrokerSegment:
         self.out = Ring(CONTROL_BYTES, RING_BYTES)
         self.into = Ring(CONTROL_BYTES + RING_BYTES, RING_BYTES)
         self._seen = 0  # the most of the in ring the rank has said it consumed
+        # The rank said it mapped the segment (a ``segment`` frame back): until then, and for
+        # a rank that never does, whatever the broker sends it travels in the frames.
+        self.mapped = False
 
     def handed(self) -> None:
         """The rank has its descriptor (or never will): the broker keeps only its mapping."""
@@ -135,8 +138,9 @@ class BrokerSegment:
         return memoryview(shared.clone().numpy()).toreadonly()
 
     def place(self, frame: wire.Frame) -> wire.Frame:
-        """``frame`` with its payloads copied into the in ring, if they fit there."""
-        if not frame.buffers:
+        """``frame`` with its payloads copied into the in ring, if the rank mapped it and they
+        fit there."""
+        if not frame.buffers or not self.mapped:
             return frame
         claimed = _COUNTER.unpack_from(self.map, _IN_READ)[0]
         self._seen = min(max(claimed, self._seen), self.into.head)  # a hint, kept in bounds

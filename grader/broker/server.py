@@ -180,6 +180,12 @@ class Broker(Matching):
     def rank_hello(self, state: RankState, frame: Frame) -> None:
         pass
 
+    def rank_segment(self, state: RankState, frame: Frame) -> None:
+        """The rank mapped the segment it was given: the broker's answers may use it now."""
+        if state.segment is None:
+            raise ProtocolError("a shared segment it was never given")
+        state.segment.mapped = True
+
     def rank_importing(self, state: RankState, frame: Frame) -> None:
         state.importing = clean(frame.header.get("module", ""), 80)
 

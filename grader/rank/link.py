@@ -126,8 +126,16 @@ class BrokerLink:
     # -- what the broker sends, one method per message -------------------------------------
 
     def broker_segment(self, frame: Frame) -> None:
-        if self._fds and self.segment is None:
-            self.segment = RankSegment(self._fds.pop(0))
+        """Map the segment the broker passed and say so; if it cannot be mapped (no address
+        space left), say nothing: every payload then travels in the frames."""
+        if not self._fds or self.segment is not None:
+            return
+        fd = self._fds.pop(0)
+        try:
+            self.segment = RankSegment(fd)
+        except OSError:
+            return
+        self.post(protocol.SEGMENT)
 
     def broker_call(self, frame: Frame) -> None:
         frame.buffers = [bytes(buffer) for buffer in frame.buffers]  # the ring is reused

@@ -30,6 +30,7 @@ def pair() -> Iterator[tuple[BrokerSegment, RankSegment]]:
     broker = BrokerSegment()
     rank = RankSegment(os.dup(broker.fd))
     broker.handed()
+    broker.mapped = True  # as the rank's ``segment`` frame back says
     yield broker, rank
     broker.close()
 
@@ -189,3 +190,12 @@ def test_no_segment_outlives_its_job(tmp_path: Path) -> None:
         pool.close()
     assert _segments_here() == before
     assert set(os.listdir("/dev/shm")) <= shm_before
+
+
+def test_a_rank_that_never_said_it_mapped_its_segment_gets_everything_in_frames() -> None:
+    broker = BrokerSegment()
+    try:
+        frame = broker.place(Frame({"type": "done"}, [b"abcd"]))
+        assert "shm" not in frame.header and frame.buffers == [b"abcd"]
+    finally:
+        broker.close()
