@@ -138,8 +138,10 @@ class Timed:
         work = traffic.local_work()
         return cls(traffic.messages(), work) if work is not None else None
 
+    @functools.cached_property
     def critical_path(self) -> float:
-        """Seconds of local work on the call's critical path: the replay on free links."""
+        """Seconds of local work on the call's critical path: the replay on free links (made
+        once: the timing loop compares it call after call)."""
         return project(self.messages, LOCAL_WORK, self.work)
 
 
@@ -190,11 +192,11 @@ def time_calls(
         out, mine, theirs = both(f"costs/timed/{call}")
         if mine is None:
             return Timing(out, None, UNMEASURED)
-        if best is None or mine.critical_path() < best[0].critical_path():
+        if best is None or mine.critical_path < best[0].critical_path:
             best = (mine, out)
         if reference is not None and theirs is None:
             return Timing(best[1], best[0], UNMEASURED)
-        if theirs and (not best_theirs or theirs.critical_path() < best_theirs.critical_path()):
+        if theirs and (not best_theirs or theirs.critical_path < best_theirs.critical_path):
             best_theirs = theirs
         if (call + 1) % RUNS == 0 and (
             best_theirs is None or local_ratio(best[0], best_theirs, allowance) <= within
@@ -208,7 +210,7 @@ def local_ratio(yours: Timed, reference: Timed, allowance: float) -> float:
     """The submission's local work over the reference's, on their critical paths, charging
     only what exceeds the reference's by more than ``allowance`` seconds: below that, a
     difference is the noise of timing a call on a busy machine, not the submission's doing."""
-    mine, theirs = yours.critical_path(), reference.critical_path()
+    mine, theirs = yours.critical_path, reference.critical_path
     if theirs <= 0:
         return 1.0
     return 1.0 + max(0.0, mine - theirs - allowance) / theirs
@@ -273,7 +275,7 @@ def _judge_local(
         why = UNMEASURED if yours is None or not reference else reference
         details["local_ratio"] = None
         return None, [f"  local work not judged: {why}"]
-    mine, theirs = yours.critical_path(), reference.critical_path()
+    mine, theirs = yours.critical_path, reference.critical_path
     ratio = local_ratio(yours, reference, allowance)
     details["local_ratio"] = round(ratio, 4)
     details["local_allowance_seconds"] = allowance

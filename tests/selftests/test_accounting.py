@@ -133,7 +133,7 @@ def test_local_work_lies_before_the_operation_it_delayed_and_replays_on_free_lin
     assert work[1].longest_cpu == (3.0, "before the send at c.py:6")
     # Rank 1 can send only at 1 + 3 s; rank 0 waits for that until 4 s, then works 0.25 s.
     timed = Timed(traffic.messages(), work)
-    assert timed.critical_path() == pytest.approx(4.25)
+    assert timed.critical_path == pytest.approx(4.25)
     assert project(traffic.messages(), LOCAL_WORK) == 0.0  # the messages alone cost nothing
 
 
