@@ -1,17 +1,25 @@
 """How long grading takes, against the cheapest real distributed job, measured side by side.
 
-    python benchmarks/grading_time.py [--repeats 3]
+    python benchmarks/grading_time.py [--repeats 3] [--loop-only] [--editing 10]
 
-The yardstick is a 4-rank ``torchrun --standalone`` job that only initialises
-a gloo process group, passes one barrier and destroys it: the least any
-multi-process grading can cost on this machine. Then, each timed as a whole
-command, with its peak memory (the largest resident set of any one process):
+The yardstick is a ``torchrun --standalone`` job that only initialises a gloo
+process group, passes one barrier and destroys it: the least any
+multi-process grading can cost on this machine. First a student's loop, beside
+a 3-rank yardstick:
+
+- a cold ``grader run collectives -k all_reduce --world-size 3``;
+- the same in watch mode (``--watch``): the seconds from saving an edit of
+  the submission to the end of its summary, the edit made ``--editing``
+  seconds (10) after the last summary, as a student edits.
+
+Then (not with ``--loop-only``), beside a 4-rank yardstick, each timed as a
+whole command, with its peak memory:
 
 - the reference, every part (every point expected);
 - the untouched stubs, every part (no point expected);
 - a submission whose every collective deadlocks, the collectives part.
 
-Prints each wall time and its ratio to the yardstick (medians of --repeats), and
+Prints each wall time and its ratio to its yardstick (medians of --repeats), and
 the peak memory of the whole process tree (what a container must allow).
 """
 
@@ -19,11 +27,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import queue
 import resource
+import signal
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -61,17 +72,67 @@ def timed(command: list[str], cwd: Path) -> tuple[float, float]:
     return time.monotonic() - start, peak / 2**20
 
 
+def watch_regrades(command: list[str], source: Path, edits: int, editing: float) -> list[float]:
+    """Seconds from each save of ``source`` to the end of the summary it causes, in
+    ``grader run --watch`` (``command``)."""
+    process = subprocess.Popen(
+        command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
+    )
+    lines: queue.Queue[tuple[float, str]] = queue.Queue()
+
+    def read() -> None:
+        assert process.stdout is not None
+        for line in process.stdout:
+            lines.put((time.monotonic(), line))
+
+    def summary_done() -> float:
+        while True:
+            at, line = lines.get(timeout=300)
+            if "watching" in line:
+                return at
+
+    threading.Thread(target=read, daemon=True).start()
+    seconds = []
+    try:
+        summary_done()  # the first grading: cold
+        for i in range(edits):
+            time.sleep(editing)  # the student edits; the next grading's ranks start meanwhile
+            saved = time.monotonic()
+            source.write_text(source.read_text() + f"\n# edit {i}\n")
+            seconds.append(summary_done() - saved)
+    finally:
+        process.send_signal(signal.SIGINT)
+        process.wait(timeout=60)
+    return seconds
+
+
+def barrier_job(work: Path, ranks: int) -> list[str]:
+    return [
+        sys.executable, "-m", "torch.distributed.run", "--standalone",
+        f"--nproc-per-node={ranks}", f"--log-dir={work / f'logs{ranks}'}", str(work / "barrier.py"),
+    ]  # fmt: skip
+
+
+def print_ratios(medians: dict[str, float], peaks: dict[str, float]) -> None:
+    yardstick = next(iter(medians.values()))
+    for label, seconds in medians.items():
+        peak = f"  peak {peaks[label]:6.0f} MB" if label in peaks else ""
+        print(f"{label:<60} {seconds:6.2f} s {seconds / yardstick:5.2f}x{peak}")
+
+
 def main() -> None:
     from runner import materialize
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--loop-only", action="store_true", help="only a student's loop")
+    parser.add_argument(
+        "--editing", type=float, default=10.0, help="seconds between two saves in watch mode"
+    )
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
-        script = work / "barrier.py"
-        script.write_text(BARRIER_JOB)
-        deadlocks = materialize("coll_deadlock_all", work)
+        (work / "barrier.py").write_text(BARRIER_JOB)
         grader = [
             sys.executable,
             "-m",
@@ -79,11 +140,29 @@ def main() -> None:
             "--config",
             str(REPO / "tests/graded/grading.yaml"),
         ]
+        submission = work / "student"
+        submission.mkdir()
+        source = submission / "collectives.py"
+        source.write_text((REPO / "reference" / "collectives.py").read_text())
+        one = [*grader, "run", "collectives", "-k", "all_reduce", "--world-size", "3"]
+        one += ["--submission", str(submission)]
+        loop = {
+            "torchrun: 3 ranks, init + barrier + destroy": barrier_job(work, 3),
+            "grader run collectives -k all_reduce --world-size 3": one,
+        }
+        medians, peaks = {}, {}
+        for label, command in loop.items():
+            medians[label] = statistics.median(timed(command, work)[0] for _ in range(args.repeats))
+        regrades = watch_regrades([*one, "--watch"], source, args.repeats * 2, args.editing)
+        label = f"the same, --watch: a save ({args.editing:g} s after the last) to its summary"
+        medians[label] = statistics.median(regrades)
+        print_ratios(medians, peaks)
+        print("watch mode, each regrade:", " ".join(f"{s:.2f}" for s in regrades), "s")
+        if args.loop_only:
+            return
+        deadlocks = materialize("coll_deadlock_all", work)
         runs = {
-            "torchrun: 4 ranks, init + barrier + destroy": [
-                sys.executable, "-m", "torch.distributed.run", "--standalone",
-                "--nproc-per-node=4", f"--log-dir={work / 'logs'}", str(script),
-            ],
+            "torchrun: 4 ranks, init + barrier + destroy": barrier_job(work, 4),
             "grader run --submission reference (all parts)": [
                 *grader, "run", "--submission", str(REPO / "reference"),
                 "--results", str(work / "reference.json"),
@@ -102,12 +181,7 @@ def main() -> None:
             measured = [timed(command, work) for _ in range(args.repeats)]
             medians[label] = statistics.median(m[0] for m in measured)
             peaks[label] = max(m[1] for m in measured)
-        yardstick = next(iter(medians.values()))
-        for label, seconds in medians.items():
-            print(
-                f"{label:<52} {seconds:6.1f} s {seconds / yardstick:5.1f}x"
-                f"  peak {peaks[label]:6.0f} MB"
-            )
+        print_ratios(medians, peaks)
         for name in ("reference", "stubs", "deadlocks"):
             results = json.loads((work / f"{name}.json").read_text())
             maximum = sum(t["max_score"] for t in results["tests"])

@@ -35,6 +35,7 @@ from grader.judge.audit import audit
 from grader.judge.plugin import GradingPlugin
 from grader.judge.verdict import Verdict
 from grader.launch.job import JobSettings, job_settings, probe
+from grader.launch.world import RankPool
 from grader.nodes import Nodes, NodesError, node_key, pack_folder
 from grader.nodes.head import Head
 from grader.report.results import GradedResult
@@ -68,73 +69,166 @@ class GradingRun:
     sandbox_per_node: list[str] = field(default_factory=list)  # across nodes: node 0 first
 
 
-def grade(
-    config: GradingConfig,
-    tests: list[GradedTest],
-    submission: Path,
-    listener: Listener,
-    sandbox_request: str = "auto",
-    nodes: Nodes | None = None,
-    for_course: bool = False,
-) -> GradingRun:
-    """Grade ``tests``: one result per test, in their order.
+class Session:
+    """What the gradings of one run share: its work folder, its sandbox level and uids, and
+    the reference's job. ``grader run`` grades once; watch mode grades every edit in one
+    session, each time on a fresh job of ranks (nothing of one grading is left for the
+    next), which it starts ahead (``warm``), while the student edits.
 
     ``for_course``: the results are a course's (a results file): never at ``none`` unless
     that was asked for by name. A level that cannot run the ranks here raises
-    :class:`sandbox.SandboxError` before any test. On Ctrl-C or SIGTERM, every job is killed
-    and the tests not yet judged are reported as not run.
+    :class:`sandbox.SandboxError` at the first grading, before any test.
     """
-    verdicts: dict[str, Verdict] = {}
-    level = sandbox.Level.NONE
-    identity: Identity | None = None
 
-    def record(test: GradedTest, verdict: Verdict) -> None:
-        verdicts[test.nodeid] = verdict
-        listener.on_verdict(test, verdict)
-
-    work = Path(tempfile.mkdtemp(prefix="grader-")).resolve()
-    interrupted, failure, review, per_node = False, None, [], []
-    try:
-        work.chmod(0o711)  # the sandbox's uid may pass through to its own socket and scratch
-        import_dir = work / "import"
-        left_out = stage(submission, import_dir)
-        staged = import_dir / "assignments"
-        review = [f"left out of the submission: {line}" for line in left_out] + audit(staged)
+    def __init__(
+        self,
+        config: GradingConfig,
+        sandbox_request: str = "auto",
+        nodes: Nodes | None = None,
+        for_course: bool = False,
+        warm: bool = False,
+    ) -> None:
+        self.config, self.nodes, self.for_course, self.warm = config, nodes, for_course, warm
+        self.sandbox_request = sandbox_request
+        self.work = Path(tempfile.mkdtemp(prefix="grader-")).resolve()
+        self.work.chmod(0o711)  # the sandbox's uid may pass through to its socket and scratch
+        self.level: sandbox.Level | None = None  # chosen at the first grading
+        self.identity: Identity | None = None
         if os.geteuid() == 0 and sys.platform == "linux":
-            identity = uids.reserve()
-        level = choose_level(
-            sandbox_request, for_course, lambda lv: job_settings(work, lv, "cpu", identity=identity)
-        )
-        if level is sandbox.Level.NONE and for_course:
-            review.insert(0, UNSANDBOXED)
-        parts = dict.fromkeys(t.part for t in tests)
-        problems = {part: problem_with(staged, part) for part in parts}
-        runnable = []
+            self.identity = uids.reserve()
+        self._reference: RankPool | None = None
+        self._next: RankPool | None = None  # the next grading's job, started ahead
+
+    def __enter__(self) -> Session:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """End every job and remove the work folder; idempotent."""
+        for pool in (self._next, self._reference):
+            if pool is not None:
+                pool.close()
+        self._next = self._reference = None
+        shutil.rmtree(self.work, ignore_errors=True)
+        if self.identity is not None:
+            self.identity.release()
+            self.identity = None
+
+    def start(self, size: int) -> None:
+        """Choose the sandbox level and start the first grading's job of ``size`` ranks now,
+        before the tests are collected: its ranks import torch while the grader does. Raises
+        :class:`sandbox.SandboxError` as :meth:`grade` would."""
+        (self.work / "import").mkdir(exist_ok=True)  # staged into at each grading
+        if self._next is None and self.nodes is None:
+            self._next = RankPool(size, self._settings())
+            self._next.start_ahead()
+
+    def grade(self, tests: list[GradedTest], submission: Path, listener: Listener) -> GradingRun:
+        """Grade ``tests``: one result per test, in their order. On Ctrl-C or SIGTERM, every
+        job is killed and the tests not yet judged are reported as not run."""
+        verdicts: dict[str, Verdict] = {}
+
+        def record(test: GradedTest, verdict: Verdict) -> None:
+            verdicts[test.nodeid] = verdict
+            listener.on_verdict(test, verdict)
+
+        interrupted, failure, review, per_node = False, None, [], []
+        try:
+            import_dir = self.work / "import"
+            shutil.rmtree(import_dir / "assignments", ignore_errors=True)  # the last grading's
+            left_out = stage(submission, import_dir)
+            staged = import_dir / "assignments"
+            review = [f"left out of the submission: {line}" for line in left_out] + audit(staged)
+            level = self._level()
+            if level is sandbox.Level.NONE and self.for_course:
+                review.insert(0, UNSANDBOXED)
+            parts = dict.fromkeys(t.part for t in tests)
+            problems = {part: problem_with(staged, part) for part in parts}
+            runnable = []
+            for test in tests:
+                problem = problems[test.part]
+                if problem is None:
+                    runnable.append(test)
+                else:
+                    record(test, Verdict(*problem))
+            if runnable:
+                interrupted, failure = self._run(runnable, listener.on_start, record, per_node)
+        except KeyboardInterrupt:
+            interrupted = True
         for test in tests:
-            problem = problems[test.part]
-            if problem is None:
-                runnable.append(test)
-            else:
-                record(test, Verdict(*problem))
-        if runnable:
-            settings = job_settings(work, level, _device(), None, config.limits, identity)
-            interrupted, failure = _run(
-                config, runnable, settings, listener.on_start, record, nodes, per_node
+            if test.nodeid not in verdicts:
+                reason = "grading was interrupted" if interrupted else "the grader stopped early"
+                verdicts[test.nodeid] = Verdict(protocol.NOT_RUN, f"not run: {reason}")
+        results = [
+            GradedResult(t, v := verdicts[t.nodeid], t.settings.points * v.share()) for t in tests
+        ]
+        level_name = self.level.value if self.level is not None else sandbox.Level.NONE.value
+        return GradingRun(results, interrupted, level_name, failure, review, per_node)
+
+    def _level(self) -> sandbox.Level:
+        if self.level is None:
+            identity = self.identity
+            self.level = choose_level(
+                self.sandbox_request,
+                self.for_course,
+                lambda lv: job_settings(self.work, lv, "cpu", identity=identity),
             )
-    except KeyboardInterrupt:
-        interrupted = True
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
-        if identity is not None:
-            identity.release()
-    for test in tests:
-        if test.nodeid not in verdicts:
-            reason = "grading was interrupted" if interrupted else "the grader stopped early"
-            verdicts[test.nodeid] = Verdict(protocol.NOT_RUN, f"not run: {reason}")
-    results = [
-        GradedResult(t, v := verdicts[t.nodeid], t.settings.points * v.share()) for t in tests
-    ]
-    return GradingRun(results, interrupted, level.value, failure, review, per_node)
+        return self.level
+
+    def _settings(self) -> JobSettings:
+        level = self._level()
+        return job_settings(self.work, level, _device(), None, self.config.limits, self.identity)
+
+    def _run(
+        self,
+        tests: list[GradedTest],
+        on_start: Callable[[GradedTest], None],
+        on_verdict: Callable[[GradedTest, Verdict], None],
+        per_node: list[str],
+    ) -> tuple[bool, str | None]:
+        """Run the tests; across nodes, ``per_node`` gets the sandbox level each node applied."""
+        settings = self._settings()
+        data.configure(secret(), _digest(settings.import_dir))
+        head = None
+        if self.nodes is not None:
+            level = sandbox.Level(settings.sandbox)
+            try:
+                head = _start_head(self.nodes, tests, settings.import_dir, level, settings.device)
+            except NodesError as err:
+                return False, str(err)
+            settings = dataclasses.replace(settings, head=head)
+        size = max(t.world_size for t in tests)
+        pool, self._next = self._next, None
+        if pool is None or pool.size < size:
+            if pool is not None:
+                pool.close()
+            pool = RankPool(size, settings)
+        pool.start_ahead()  # its ranks import torch while pytest collects the graded tests
+        reference = self._reference_pool(settings, size)
+        try:
+            outcome = _run_tests(self.config, tests, pool, reference, on_start, on_verdict)
+        finally:
+            pool.close()  # it ran the submission: never used again
+            if head is not None:
+                head.finish()
+                per_node += [level.value, *(head.levels[n] for n in sorted(head.levels))]
+        if self.warm:
+            self._next = RankPool(pool.size, settings)
+            self._next.start_ahead()
+        return outcome
+
+    def _reference_pool(self, settings: JobSettings, size: int) -> RankPool | None:
+        """The reference's job, started at its first use and kept for the whole session."""
+        if self._reference is not None and self._reference.size < size:
+            self._reference.close()
+            self._reference = None
+        if self._reference is None:
+            reference = _reference_job(self.config, settings)
+            if reference is not None:
+                self._reference = RankPool(size, reference)
+        return self._reference
 
 
 #: The review line of a course's run graded at ``none``, asked for by name.
@@ -195,41 +289,15 @@ def _exposed(settings: JobSettings) -> str | None:
     )
 
 
-def _run(
-    config: GradingConfig,
-    tests: list[GradedTest],
-    settings: JobSettings,
-    on_start: Callable[[GradedTest], None],
-    on_verdict: Callable[[GradedTest, Verdict], None],
-    nodes: Nodes | None,
-    per_node: list[str],
-) -> tuple[bool, str | None]:
-    """Run the tests; across nodes, ``per_node`` gets the sandbox level each node applied."""
-    data.configure(secret(), _digest(settings.import_dir))
-    head = None
-    if nodes is not None:
-        level = sandbox.Level(settings.sandbox)
-        try:
-            head = _start_head(nodes, tests, settings.import_dir, level, settings.device)
-        except NodesError as err:
-            return False, str(err)
-        settings = dataclasses.replace(settings, head=head)
-    try:
-        return _run_tests(config, tests, settings, on_start, on_verdict)
-    finally:
-        if head is not None:
-            head.finish()
-            per_node += [level.value, *(head.levels[n] for n in sorted(head.levels))]
-
-
 def _run_tests(
     config: GradingConfig,
     tests: list[GradedTest],
-    settings: JobSettings,
+    pool: RankPool,
+    reference: RankPool | None,
     on_start: Callable[[GradedTest], None],
     on_verdict: Callable[[GradedTest, Verdict], None],
 ) -> tuple[bool, str | None]:
-    plugin = GradingPlugin(tests, settings, on_start, on_verdict, _reference_job(config, settings))
+    plugin = GradingPlugin(tests, pool, on_start, on_verdict, reference)
     files = [str(course.GRADED_DIR / t.nodeid.split("::")[0]) for t in tests]
     arguments = [*dict.fromkeys(files), *course.GRADED_PYTEST_ARGS, "-p", "no:terminal"]
     said = io.StringIO()
@@ -246,7 +314,6 @@ def _run_tests(
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-        plugin.close()
     if interrupts:
         raise KeyboardInterrupt
     failure = plugin.grader_failure
@@ -268,6 +335,7 @@ def _reference_job(config: GradingConfig, settings: JobSettings) -> JobSettings 
     if settings.head is not None or not reference.is_dir():
         return None
     work = settings.work_dir / "reference"
+    shutil.rmtree(work, ignore_errors=True)
     stage(reference, work / "import")
     level = sandbox.Level(settings.sandbox)
     if level is not sandbox.Level.NAMESPACES:

@@ -1,6 +1,7 @@
 """The ``grader`` command (documented in docs/commands.md).
 
     grader [--config FILE] run [PART ...] [--submission DIR] [--results FILE] [-k TEXT] ...
+    grader [--config FILE] run [PART ...] --watch [-k TEXT] ...
                                [--nnodes N --node-rank R --rdzv-endpoint HOST:PORT]
     grader [--config FILE] list [PART ...]
     grader [--config FILE] bench [-k TEXT] [--submission DIR]
@@ -45,7 +46,7 @@ from grader.nodes import Nodes, NodesError
 
 if TYPE_CHECKING:
     from grader.course.catalog import GradedTest
-    from grader.grading import GradingRun
+    from grader.grading import GradingRun, Session
 
 EXIT_PASSED, EXIT_FAILED, EXIT_CANNOT_GRADE = 0, 1, 2
 EXIT_INTERRUPTED = 130
@@ -119,10 +120,19 @@ def _main(argv: list[str] | None) -> int:
                 check_writable(args.results)
             except ResultsPathError as err:
                 raise UsageError(str(err)) from err
-        tests = select(collect(config, parts), args.keyword, args.world_sizes)
-        sandbox.requested(args.sandbox)  # $GRADER_SANDBOX too; the level is chosen by grade()
-        if nodes is not None:
-            nodes.per_node(max(t.world_size for t in tests))
+        if args.watch and (args.results is not None or nodes is not None):
+            raise UsageError("--watch grades for the terminal: not with --results or --nnodes")
+        sandbox.requested(args.sandbox)  # $GRADER_SANDBOX too
+        if args.backend != "auto":
+            os.environ["GRADER_DEVICE"] = "cuda" if args.backend == "nccl" else "cpu"
+        session = _session(config, args, parts, nodes)
+        try:
+            tests = select(collect(config, parts), args.keyword, args.world_sizes)
+            if nodes is not None:
+                nodes.per_node(max(t.world_size for t in tests))
+        except BaseException:
+            session.close()
+            raise
     except (
         NodesError,
         UsageError,
@@ -133,9 +143,31 @@ def _main(argv: list[str] | None) -> int:
     ) as err:
         print(f"grader: error: {err}", file=sys.stderr)
         return EXIT_CANNOT_GRADE
-    if args.backend != "auto":
-        os.environ["GRADER_DEVICE"] = "cuda" if args.backend == "nccl" else "cpu"
-    return _run(console, config, tests, submission, args.sandbox, args.results, args.verbose, nodes)
+    if args.watch:
+        from grader.commands.watch import watch
+
+        with _terminate_as_interrupt():
+            return watch(console, session, tests, submission, args.verbose)
+    with session:
+        return _run(console, session, tests, submission, args.results, args.verbose)
+
+
+def _session(
+    config: GradingConfig, args: argparse.Namespace, parts: list[str], nodes: Nodes | None
+) -> Session:
+    """The run's grading session, its sandbox level chosen and, on one machine, its first
+    job already starting: its ranks import torch while this process collects the tests."""
+    from grader.grading import Session
+
+    for_course = args.results is not None  # batch, Gradescope and the image write one
+    session = Session(config, args.sandbox, nodes, for_course, warm=args.watch)
+    largest = max(config.part(part).largest_world_size() for part in parts)
+    try:
+        session.start(min(largest, max(args.world_sizes or [largest])))
+    except BaseException:
+        session.close()
+        raise
+    return session
 
 
 def make_console() -> Console:
@@ -160,34 +192,27 @@ def select(
 
 def _run(
     console: Console,
-    config: GradingConfig,
+    session: Session,
     tests: list[GradedTest],
     submission: Path,
-    sandbox_request: str,
     results_file: Path | None,
     verbose: bool = False,
-    nodes: Nodes | None = None,
 ) -> int:
-    from grader.grading import Listener, grade
+    from grader.grading import Listener
     from grader.report.terminal import ProgressDisplay, print_summary
 
     start = time.monotonic()
     console.print(
         f"Grading [bold]{escape(str(submission))}[/] ({len(tests)} tests)", highlight=False
     )
-    try:
-        with _terminate_as_interrupt(), ProgressDisplay(console, len(tests)) as display:
-            listener = Listener(display.on_start, display.on_verdict)
-            for_course = results_file is not None  # batch, Gradescope and the image write one
-            run = grade(config, tests, submission, listener, sandbox_request, nodes, for_course)
-    except sandbox.SandboxError as err:  # before any test: no level can run the ranks here
-        print(f"grader: error: {err}", file=sys.stderr)
-        return EXIT_CANNOT_GRADE
+    with _terminate_as_interrupt(), ProgressDisplay(console, len(tests)) as display:
+        listener = Listener(display.on_start, display.on_verdict)
+        run = session.grade(tests, submission, listener)
     results, interrupted = run.results, run.interrupted
     seconds = time.monotonic() - start
     # The results file first: nothing that follows may lose it.
     if results_file is not None:
-        status = _write(run, seconds, results_file, config)
+        status = _write(run, seconds, results_file, session.config)
         if status is not None:
             return status
     print_summary(console, results, seconds, run.sandbox, run.review, verbose)

@@ -74,6 +74,11 @@ def parser() -> argparse.ArgumentParser:
         help="print every test's row, and every failure, not only the first of each function",
     )
     _add_world_sizes(run, "grade only at world size N (repeatable)")
+    run.add_argument(
+        "--watch",
+        action="store_true",
+        help="regrade the selection each time a file of the submission changes (Ctrl-C stops)",
+    )
     across = run.add_argument_group(
         "a job across nodes (torchrun's c10d rendezvous; the same command on every node)"
     )

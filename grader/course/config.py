@@ -99,6 +99,10 @@ def _pytest_args(graded_dir: Path) -> tuple[str, ...]:
         "no:cacheprovider",
         # A failed assert's message is the student's message, as the test wrote it.
         "--assert=plain",
+        # Its end of session runs five full garbage collections (half a second in the
+        # grader's process, which holds torch) to report warnings no verdict reads.
+        "-p",
+        "no:unraisableexception",
     )
 
 
@@ -159,6 +163,12 @@ class PartConfig:
         """The settings of one test: the part's defaults with the test's own keys on top."""
         raw = dict(self.overrides.get(test_name, {}))
         return _settings(raw, f"{self.name}.tests.{test_name}", base=self.defaults)
+
+    def largest_world_size(self) -> int:
+        """The largest world size any test of the part is graded at (known before the tests
+        are collected: a job of that many ranks can start meanwhile)."""
+        named = (self.settings_for(name) for name in self.overrides)
+        return max(max(s.world_sizes) for s in (self.defaults, *named))
 
 
 #: The ``limits:`` block: what each rank may use, in MiB (defaults: grader.sandbox's).

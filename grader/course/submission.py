@@ -13,6 +13,7 @@ finds the folder that holds them, for ``grader run`` and Gradescope alike.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import stat
 from collections.abc import Collection
@@ -114,6 +115,21 @@ def problem_with(directory: Path, part: str) -> tuple[str, str] | None:
     except (OSError, ValueError) as err:
         return "error", f"assignments/{part}.py cannot be read: {err}"
     return None
+
+
+def fingerprint(directory: Path) -> frozenset[tuple[str, int, int]]:
+    """What :func:`stage` would copy, as (path, size, modification time) per file: it changes
+    when a file of the submission is saved, added or removed (watch mode's cue to regrade)."""
+    seen = set()
+    for root, dirs, files in os.walk(directory, followlinks=False):
+        dirs[:] = [d for d in dirs if d not in _SKIPPED]
+        for name in files:
+            if name in _SKIPPED or name.endswith(".pyc"):
+                continue
+            with contextlib.suppress(OSError):  # removed since it was listed: seen next time
+                info = os.lstat(Path(root) / name)
+                seen.add((os.path.join(root, name), info.st_size, info.st_mtime_ns))
+    return frozenset(seen)
 
 
 MAX_FILE_BYTES = 1 << 20

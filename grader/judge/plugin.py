@@ -20,7 +20,6 @@ from grader import failures, protocol
 from grader.course.catalog import GradedTest
 from grader.course.options import TestOptions
 from grader.judge.verdict import Schedule, Verdict
-from grader.launch.job import JobSettings
 from grader.launch.world import CallLimits, RankPool, World
 from grader.testkit.compare import WrongResult
 from grader.testkit.record import PartialCredit, TestRecord
@@ -42,20 +41,19 @@ class GradingPlugin:
     def __init__(
         self,
         tests: list[GradedTest],
-        settings: JobSettings,
+        pool: RankPool,
         on_start: OnStart,
         on_verdict: OnVerdict,
-        reference: JobSettings | None = None,
+        reference_pool: RankPool | None = None,
     ) -> None:
+        """``pool``: the submission's ranks; ``reference_pool``: the reference's own, apart
+        from the student's, which cannot reach them: the performance tests time its local
+        work beside the student's. The plugin uses them; whoever made them closes them."""
         self.tests = {t.nodeid: t for t in tests}
-        self.settings = settings
         self.on_start = on_start
         self.on_verdict = on_verdict
-        size = max(t.world_size for t in tests)
-        self.pool = RankPool(size, settings)
-        # The reference's own ranks, apart from the student's, which cannot reach them: the
-        # performance tests time its local work beside the student's. Started at first use.
-        self.reference_pool = RankPool(size, reference) if reference is not None else None
+        self.pool = pool
+        self.reference_pool = reference_pool
         self._running: _Running | None = None
         self.grader_failure: str | None = None
 
@@ -172,8 +170,3 @@ class GradingPlugin:
                 seconds=seconds,
             ),
         )
-
-    def close(self) -> None:
-        self.pool.close()
-        if self.reference_pool is not None:
-            self.reference_pool.close()

@@ -72,6 +72,11 @@ class _Job:
     calls: itertools.count = field(default_factory=lambda: itertools.count(1))
 
 
+#: Jobs are numbered per process: several pools of one run (watch mode's gradings, each on
+#: a fresh job) share the run's work folder.
+_JOB_NUMBERS = itertools.count(1)
+
+
 class World:
     """The first ``size`` ranks of the pool's job, as one world: what a graded test drives."""
 
@@ -120,7 +125,7 @@ class RankPool:
         self.size = size
         self.settings = settings
         self._job: _Job | None = None
-        self._jobs = 0
+        self._starting: _Job | None = None  # started ahead, its ranks not yet all connected
         # A part whose import ends or hangs the process is not imported again.
         self.poisoned: dict[str, failures.RankFailure] = {}
 
@@ -167,19 +172,28 @@ class RankPool:
 
     # -- jobs -------------------------------------------------------------------------------
 
+    def start_ahead(self) -> None:
+        """Start the job now, without waiting for its ranks: the first call will find them
+        with torch imported (watch mode starts the next grading's job while the student edits).
+        A job that cannot start is retried and reported at that first call."""
+        if self._job is None and self._starting is None:
+            self._starting = self._launch_job()
+
     def _running_job(self) -> _Job:
         if self._job is not None and self._job.job.running() and not self._job.broker.dead():
             return self._job
+        starting, self._starting = self._starting, None
         self.close()
         try:
-            self._job = self._start_job()
+            self._job = self._connected(starting or self._launch_job())
         except failures.GraderFailure:
-            self._job = self._start_job()  # once more, in a fresh job: a busy machine is no fault
+            # once more, in a fresh job: a busy machine is no fault
+            self._job = self._connected(self._launch_job())
         return self._job
 
-    def _start_job(self) -> _Job:
-        self._jobs += 1
-        job_dir = self.settings.work_dir / f"job{self._jobs}"
+    def _launch_job(self) -> _Job:
+        number = next(_JOB_NUMBERS)
+        job_dir = self.settings.work_dir / f"job{number}"
         broker = Broker(self.size)
         head = self.settings.head
         if head is None:
@@ -187,7 +201,7 @@ class RankPool:
             broker.listen_unix(socket_dir)
             job = TorchrunJob(job_dir, self.size, RANK_WRAPPER, identity=self.settings.identity)
         else:  # every rank, this node's too, relays to the broker via the head
-            job_id = f"grader-job{self._jobs}"
+            job_id = f"grader-job{number}"
             per_node = head.nodes.per_node(self.size)
             head.start_job(job_id, per_node, broker.serve)
             job, socket_dir = node_job(
@@ -197,16 +211,19 @@ class RankPool:
         threading.Thread(target=_watch, args=(job, broker), daemon=True).start()
         if head is not None:
             head.watch(broker.end_job)
+        return _Job(job, broker, job_dir, socket_dir)
+
+    def _connected(self, started: _Job) -> _Job:
+        """``started`` once every rank said hello; a job that did not is ended and reported."""
+        broker, job_dir, head = started.broker, started.job_dir, self.settings.head
         if not broker.wait_connected(time.monotonic() + _START_SECONDS):
             failure = head.problem() if head is not None else None
             if failure is None:
                 reason = _first_words(job_dir, broker, self.size) or log_tail(job_dir, 3)
                 failure = f"the grader could not start a job of {self.size} ranks: {reason}"
-            job.kill()
-            broker.close()
-            shutil.rmtree(socket_dir, ignore_errors=True)
+            _end(started)
             raise failures.GraderFailure(failure)
-        return _Job(job, broker, job_dir, socket_dir)
+        return started
 
     def _stop_job(self, job: _Job, part: str, seconds: float, case: str) -> None:
         """A rank died or is stuck: report which and where to the judge, end the job whole."""
@@ -249,11 +266,16 @@ class RankPool:
             )
 
     def close(self) -> None:
-        if self._job is not None:
-            self._job.job.kill()
-            self._job.broker.close()
-            shutil.rmtree(self._job.socket_dir, ignore_errors=True)
-            self._job = None
+        for job in (self._job, self._starting):
+            if job is not None:
+                _end(job)
+        self._job = self._starting = None
+
+
+def _end(job: _Job) -> None:
+    job.job.kill()
+    job.broker.close()
+    shutil.rmtree(job.socket_dir, ignore_errors=True)
 
 
 def _watch(job: TorchrunJob, broker: Broker) -> None:

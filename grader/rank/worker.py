@@ -113,6 +113,7 @@ def _import_student(link: BrokerLink, part: str) -> ModuleType:
     if module in sys.modules and sys.modules[module] is not None:
         return sys.modules[module]
     link.post(protocol.IMPORTING, module=module)
+    importlib.invalidate_caches()  # staged after this rank started (watch mode's ranks ahead)
     loaded = importlib.import_module(module)
     link.post(protocol.IMPORTED, module=module)
     return loaded

@@ -26,7 +26,7 @@ import shutil
 import signal
 import sys
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -62,7 +62,8 @@ class Identity:
 
     def end_jobs(self) -> int:
         """SIGKILL every process of the block's uids; returns how many there were."""
-        return sum(kill_uid(uid) for uid in self.uids if pids_of(uid))
+        running = _uids_running(set(self.uids))  # one look at /proc, not one per uid
+        return sum(kill_uid(uid) for uid in sorted(running))
 
     def release(self) -> None:
         """End the block's jobs, remove the files its uids left where anyone may write (at
@@ -176,7 +177,16 @@ def readable_by(paths: Iterable[Path], uid: int = NOBODY, gid: int = NOBODY) -> 
 
 def pids_of(uid: int) -> list[int]:
     """Live (not zombie) processes whose real, effective or saved uid is ``uid``."""
-    pids = []
+    return [pid for pid, uids in _live_processes() if uid in uids]
+
+
+def _uids_running(uids: set[int]) -> set[int]:
+    """Which of ``uids`` are the real, effective or saved uid of a live process."""
+    return {uid for _, held in _live_processes() for uid in held & uids}
+
+
+def _live_processes() -> Iterator[tuple[int, set[int]]]:
+    """Each live (not zombie) process: its pid, and its real, effective and saved uids."""
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
@@ -187,9 +197,7 @@ def pids_of(uid: int) -> list[int]:
         fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
         if fields.get("State", "").strip().startswith("Z"):
             continue
-        if str(uid) in fields.get("Uid", "").split()[:3]:
-            pids.append(int(entry))
-    return pids
+        yield int(entry), {int(u) for u in fields.get("Uid", "").split()[:3]}
 
 
 def kill_uid(uid: int, timeout: float = 10.0) -> int:

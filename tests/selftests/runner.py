@@ -7,6 +7,7 @@ import re
 import signal
 import subprocess
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -123,3 +124,21 @@ def run_grader(
             os.killpg(process.pid, signal.SIGKILL) if process.poll() is None else None
         raise
     return subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
+
+
+def assert_all_ended(pids: list[int] | set[int], seconds: float = 10) -> None:
+    """Every process of ``pids`` ends within ``seconds`` (killed ones take a moment to be
+    reaped); the message names those left behind by their command line."""
+    from grader.launch.job import process_alive
+
+    deadline = time.monotonic() + seconds
+    while (alive := [p for p in pids if process_alive(p)]) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not alive, f"left behind: {[command_line(p) for p in alive]}"
+
+
+def command_line(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""

@@ -18,10 +18,10 @@ from datetime import timedelta
 from pathlib import Path
 
 import pytest
-from runner import Graded, materialize, run_grader, start_grader
+from runner import Graded, assert_all_ended, command_line, materialize, run_grader, start_grader
 from stranger import Stranger, evil_run, forged_record
 
-from grader.launch.job import descendants, process_alive
+from grader.launch.job import descendants
 
 pytestmark = pytest.mark.slow
 
@@ -48,25 +48,11 @@ def _when_running(graders: list[subprocess.Popen[str]], ranks: int = 4) -> list[
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
         started = [pid for grader in graders for pid in descendants(grader.pid)]
-        workers = [pid for pid in started if "grader.rank.worker" in _cmdline(pid)]
+        workers = [pid for pid in started if "grader.rank.worker" in command_line(pid)]
         if len(workers) >= ranks:
             return started
         time.sleep(0.3)
     raise AssertionError("the job never started on both nodes")
-
-
-def _cmdline(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
-    except OSError:
-        return ""
-
-
-def _assert_all_ended(pids: list[int]) -> None:
-    deadline = time.monotonic() + 10  # killed processes take a moment to be reaped
-    while (alive := [p for p in pids if process_alive(p)]) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not alive, f"left behind: {[_cmdline(p) for p in alive]}"
 
 
 def test_a_job_across_two_nodes_is_judged_as_on_one(tmp_path: Path) -> None:
@@ -136,7 +122,7 @@ def test_a_node_that_dies_ends_the_run_and_leaves_nothing(killed: str, tmp_path:
         else:
             assert "node 1's grader stopped" in complaint, complaint
         assert len(complaint.strip().splitlines()) == 1, complaint
-        _assert_all_ended(started)
+        assert_all_ended(started)
     finally:
         _end(node, head)
 

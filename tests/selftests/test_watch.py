@@ -1,0 +1,94 @@
+"""`grader run --watch`: every save regrades, on fresh ranks; Ctrl-C leaves nothing behind."""
+
+from __future__ import annotations
+
+import os
+import queue
+import signal
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+from runner import REPO, assert_all_ended, start_grader
+
+from grader.launch.job import descendants
+
+# A submission that fails if anything of an earlier grading reached it: its module was
+# imported before in this process, or its rank's scratch folder (its cwd) holds the mark
+# an earlier import left there.
+GUARD = """
+import pathlib as _pathlib
+import sys as _sys
+
+if getattr(_sys, "graded_before", False) or _pathlib.Path("graded-before").exists():
+    raise RuntimeError("this rank saw an earlier grading")
+_sys.graded_before = True
+_pathlib.Path("graded-before").write_text("seen")
+"""
+BROKEN_BROADCAST = """
+
+def broadcast(tensor, src):
+    pass  # receives nothing
+"""
+
+
+class Terminal:
+    """The watching grader's output, line by line, as it comes."""
+
+    def __init__(self, process: subprocess.Popen[str]) -> None:
+        self.lines: queue.Queue[str | None] = queue.Queue()
+        assert process.stdout is not None
+        stream = process.stdout
+        threading.Thread(target=self._read, args=(stream,), daemon=True).start()
+
+    def _read(self, stream) -> None:
+        for line in stream:
+            self.lines.put(line)
+        self.lines.put(None)
+
+    def until(self, text: str, timeout: float) -> str:
+        """What was printed up to and including the first line holding ``text``."""
+        said: list[str] = []
+        deadline = time.monotonic() + timeout
+        while True:
+            line = self.lines.get(timeout=max(0.0, deadline - time.monotonic()))
+            assert line is not None, f"the grader exited before printing {text!r}: {said}"
+            said.append(line)
+            if text in line:
+                return "".join(said)
+
+
+def test_watch_regrades_each_save_on_fresh_ranks_and_ctrl_c_leaves_nothing(tmp_path: Path):
+    submission = tmp_path / "submission"
+    submission.mkdir()
+    source = submission / "collectives.py"
+    reference = (REPO / "reference" / "collectives.py").read_text()
+    source.write_text(reference + GUARD + BROKEN_BROADCAST)
+    temporary = tmp_path / "tmp"
+    temporary.mkdir()
+    args = ["run", "collectives", "-k", "broadcast", "--world-size", "2", "--watch"]
+    grader = start_grader([*args, "--submission", str(submission)], env={"TMPDIR": str(temporary)})
+    terminal = Terminal(grader)
+    started: set[int] = set()
+    try:
+        first = terminal.until("watching", timeout=240)
+        assert "broadcast (world size 2): rank 1" in first, first
+        assert "Total: 0 / 2 points" in first, first
+        started |= set(descendants(grader.pid))  # the next grading's ranks, started ahead
+
+        source.write_text(reference + GUARD)  # the student fixes broadcast and saves
+        second = terminal.until("watching", timeout=240)
+        assert "earlier grading" not in second, second
+        assert "Total: 2 / 2 points" in second, second
+        started |= set(descendants(grader.pid))
+
+        grader.send_signal(signal.SIGINT)
+        assert terminal.until("stopped watching", timeout=30)
+        assert grader.wait(timeout=30) == 130
+    finally:
+        if grader.poll() is None:
+            os.killpg(grader.pid, signal.SIGKILL)
+    assert started
+    assert_all_ended(started)
+    assert not list(temporary.iterdir()), "the grader left files in its temporary folder"
