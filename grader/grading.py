@@ -215,6 +215,8 @@ class Session:
                 head.finish()
                 per_node += [level.value, *(head.levels[n] for n in sorted(head.levels))]
         if self.warm:
+            if self.identity is not None:  # what the uids left in /tmp is not the next's
+                self.identity.clear()
             self._next = RankPool(pool.size, settings)
             self._next.start_ahead()
         return outcome

@@ -125,14 +125,15 @@ def _main(argv: list[str] | None) -> int:
         sandbox.requested(args.sandbox)  # $GRADER_SANDBOX too
         if args.backend != "auto":
             os.environ["GRADER_DEVICE"] = "cuda" if args.backend == "nccl" else "cpu"
-        session = _session(config, args, parts, nodes)
-        try:
-            tests = select(collect(config, parts), args.keyword, args.world_sizes)
-            if nodes is not None:
-                nodes.per_node(max(t.world_size for t in tests))
-        except BaseException:
-            session.close()
-            raise
+        with _terminate_as_interrupt():  # the first job starts now: Ctrl-C must end it
+            session = _session(config, args, parts, nodes)
+            try:
+                tests = select(collect(config, parts), args.keyword, args.world_sizes)
+                if nodes is not None:
+                    nodes.per_node(max(t.world_size for t in tests))
+            except BaseException:
+                session.close()
+                raise
     except (
         NodesError,
         UsageError,
@@ -143,11 +144,15 @@ def _main(argv: list[str] | None) -> int:
     ) as err:
         print(f"grader: error: {err}", file=sys.stderr)
         return EXIT_CANNOT_GRADE
+    except KeyboardInterrupt:  # before grading began
+        console.print("[bold red]interrupted[/]: every worker was stopped")
+        return EXIT_INTERRUPTED
     if args.watch:
         from grader.commands.watch import watch
 
         with _terminate_as_interrupt():
-            return watch(console, session, tests, submission, args.verbose)
+            watch(console, session, tests, submission, args.verbose)
+        return EXIT_INTERRUPTED  # watching ends only so
     with session:
         return _run(console, session, tests, submission, args.results, args.verbose)
 

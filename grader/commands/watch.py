@@ -29,10 +29,9 @@ SETTLE_SECONDS = 0.05  # an editor may save in steps: regrade once the files sto
 
 def watch(
     console: Console, session: Session, tests: list[GradedTest], submission: Path, verbose: bool
-) -> int:
-    """Grade, print the summary, wait for a change, again, until interrupted; then close
-    ``session`` (made ``warm``) and return :data:`grader.commands.cli.EXIT_INTERRUPTED`."""
-    from grader.commands.cli import EXIT_INTERRUPTED
+) -> None:
+    """Grade, print the summary, wait for a change, again, until interrupted (Ctrl-C or
+    SIGTERM); then close ``session`` (made ``warm``): every job ended, every file removed."""
     from grader.grading import Listener
     from grader.report.terminal import ProgressDisplay, print_summary
 
@@ -59,7 +58,6 @@ def watch(
     except KeyboardInterrupt:
         pass
     console.print("[bold]stopped watching[/]: every worker was stopped")
-    return EXIT_INTERRUPTED
 
 
 def wait_for_change(directory: Path, seen: frozenset[tuple[str, int, int]]) -> None:

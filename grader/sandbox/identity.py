@@ -65,13 +65,16 @@ class Identity:
         running = _uids_running(set(self.uids))  # one look at /proc, not one per uid
         return sum(kill_uid(uid) for uid in sorted(running))
 
+    def clear(self) -> None:
+        """End the block's jobs and remove the files its uids left where anyone may write
+        (at the ``uid`` level /tmp is the host's): nothing of theirs reaches a later job."""
+        self.end_jobs()
+        _remove_owned(_SHARED_WRITABLE, set(self.uids))
+
     def release(self) -> None:
-        """End the block's jobs, remove the files its uids left where anyone may write (at
-        the ``uid`` level /tmp is the host's), and give the block back. After the run's
-        own folders are gone."""
+        """:meth:`clear`, and give the block back. After the run's own folders are gone."""
         try:
-            self.end_jobs()
-            _remove_owned(_SHARED_WRITABLE, set(self.uids))
+            self.clear()
         finally:
             os.close(self.lock)
 

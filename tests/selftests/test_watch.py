@@ -10,22 +10,12 @@ import threading
 import time
 from pathlib import Path
 
-from runner import REPO, assert_all_ended, start_grader
+import pytest
+from runner import assert_all_ended, materialize, start_grader
 
+from grader import sandbox
 from grader.launch.job import descendants
 
-# A submission that fails if anything of an earlier grading reached it: its module was
-# imported before in this process, or its rank's scratch folder (its cwd) holds the mark
-# an earlier import left there.
-GUARD = """
-import pathlib as _pathlib
-import sys as _sys
-
-if getattr(_sys, "graded_before", False) or _pathlib.Path("graded-before").exists():
-    raise RuntimeError("this rank saw an earlier grading")
-_sys.graded_before = True
-_pathlib.Path("graded-before").write_text("seen")
-"""
 BROKEN_BROADCAST = """
 
 def broadcast(tensor, src):
@@ -59,12 +49,14 @@ class Terminal:
                 return "".join(said)
 
 
+@pytest.mark.skipif(
+    sandbox.detect() is sandbox.Level.NONE, reason="unsandboxed ranks share the host's /tmp"
+)
 def test_watch_regrades_each_save_on_fresh_ranks_and_ctrl_c_leaves_nothing(tmp_path: Path):
-    submission = tmp_path / "submission"
-    submission.mkdir()
+    submission = materialize("watch_remembers", tmp_path)  # the reference, remembering
     source = submission / "collectives.py"
-    reference = (REPO / "reference" / "collectives.py").read_text()
-    source.write_text(reference + GUARD + BROKEN_BROADCAST)
+    remembering = source.read_text()
+    source.write_text(remembering + BROKEN_BROADCAST)
     temporary = tmp_path / "tmp"
     temporary.mkdir()
     args = ["run", "collectives", "-k", "broadcast", "--world-size", "2", "--watch"]
@@ -77,7 +69,7 @@ def test_watch_regrades_each_save_on_fresh_ranks_and_ctrl_c_leaves_nothing(tmp_p
         assert "Total: 0 / 2 points" in first, first
         started |= set(descendants(grader.pid))  # the next grading's ranks, started ahead
 
-        source.write_text(reference + GUARD)  # the student fixes broadcast and saves
+        source.write_text(remembering)  # the student fixes broadcast and saves
         second = terminal.until("watching", timeout=240)
         assert "earlier grading" not in second, second
         assert "Total: 2 / 2 points" in second, second
@@ -91,4 +83,6 @@ def test_watch_regrades_each_save_on_fresh_ranks_and_ctrl_c_leaves_nothing(tmp_p
             os.killpg(grader.pid, signal.SIGKILL)
     assert started
     assert_all_ended(started)
+    marks = [m for shared in ("/tmp", "/dev/shm") for m in Path(shared).glob("watch-remembers-*")]
+    assert not marks, f"the ranks' files outlived the grading: {marks}"
     assert not list(temporary.iterdir()), "the grader left files in its temporary folder"
