@@ -75,8 +75,11 @@ class FakeRank:
         threading.Thread(target=self._read, daemon=True).start()
 
     def _read(self) -> None:
-        while (frame := wire.recv_frame(self.sock)) is not None:
-            self.frames.append(frame)
+        try:
+            while (frame := wire.recv_frame(self.sock)) is not None:
+                self.frames.append(frame)
+        except ConnectionResetError:  # the broker closed this fake rank: its end, as EOF is
+            pass
 
     def post(self, kind: str, buffers: list[bytes] | None = None, **header: object) -> None:
         wire.send_frame(self.sock, Frame({"type": kind, **header}, buffers or []))
