@@ -12,7 +12,7 @@ from rich.text import Text
 
 from grader.course.catalog import GradedTest
 from grader.judge.verdict import Verdict
-from grader.protocol import clean
+from grader.protocol import NOT_RUN, clean
 from grader.report import ring
 from grader.report.results import GradedResult, Points
 from grader.report.summary import (
@@ -130,6 +130,9 @@ def _print_fixes(console: Console, part: str, results: list[GradedResult], verbo
             console.print(terminal_table(*drawn, title="  schedule (F = forward, B = backward)"))
         if result.verdict.ring is not None:
             console.print(ring.terminal_table(result.verdict.ring, title="  the ring's steps"))
+    if not fixes.shown and fixes.not_run:  # nothing ran: why not is the first thing to fix
+        reason = next(r.verdict.message for r in results if r.verdict.outcome == NOT_RUN)
+        console.print(f"  {_shown(reason)}", **wrap)
     if fixes.hidden:
         console.print(f"  [dim]{escape(fixes.summary_line())}[/]", **wrap)
     console.print()

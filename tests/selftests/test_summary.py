@@ -282,3 +282,11 @@ def test_verbose_prints_every_test_after_the_matrix() -> None:
     text = render(broken_all_reduce(), verbose=True)
     legend, table = text.index("p = world size"), text.index("world size ┃")
     assert legend < table < text.index("What to fix first")
+
+
+def test_a_part_that_did_not_run_says_why() -> None:
+    """A part none of whose tests ran (its file is gone) says why, not only how many."""
+    missing = "not submitted: the submission has no collectives.py"
+    text = render([result("broadcast", p, protocol.NOT_RUN, message=missing) for p in (1, 2)])
+    assert f"  {missing}" in text
+    assert "and 2 more tests (2 not run)" in text
