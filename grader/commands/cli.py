@@ -125,9 +125,13 @@ def _main(argv: list[str] | None) -> int:
         sandbox.requested(args.sandbox)  # $GRADER_SANDBOX too
         if args.backend != "auto":
             os.environ["GRADER_DEVICE"] = "cuda" if args.backend == "nccl" else "cpu"
+        from grader.grading import Session
+
+        for_course = args.results is not None  # batch, Gradescope and the image write one
+        session = Session(config, args.sandbox, nodes, for_course, warm=args.watch)
         with _terminate_as_interrupt():  # the first job starts now: Ctrl-C must end it
-            session = _session(config, args, parts, nodes)
             try:
+                session.start(_first_job_size(config, parts, args.world_sizes))
                 tests = select(collect(config, parts), args.keyword, args.world_sizes)
                 if nodes is not None:
                     nodes.per_node(max(t.world_size for t in tests))
@@ -157,22 +161,12 @@ def _main(argv: list[str] | None) -> int:
         return _run(console, session, tests, submission, args.results, args.verbose)
 
 
-def _session(
-    config: GradingConfig, args: argparse.Namespace, parts: list[str], nodes: Nodes | None
-) -> Session:
-    """The run's grading session, its sandbox level chosen and, on one machine, its first
-    job already starting: its ranks import torch while this process collects the tests."""
-    from grader.grading import Session
-
-    for_course = args.results is not None  # batch, Gradescope and the image write one
-    session = Session(config, args.sandbox, nodes, for_course, warm=args.watch)
+def _first_job_size(config: GradingConfig, parts: list[str], world_sizes: list[int] | None) -> int:
+    """The ranks the run's first job needs, known before the tests are collected: the
+    largest world size of the parts, or of ``--world-size`` if smaller. The session starts
+    that job at once: its ranks import torch while this process collects the tests."""
     largest = max(config.part(part).largest_world_size() for part in parts)
-    try:
-        session.start(min(largest, max(args.world_sizes or [largest])))
-    except BaseException:
-        session.close()
-        raise
-    return session
+    return min(largest, max(world_sizes or [largest]))
 
 
 def make_console() -> Console:

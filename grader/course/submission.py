@@ -16,7 +16,7 @@ from __future__ import annotations
 import contextlib
 import os
 import stat
-from collections.abc import Collection
+from collections.abc import Collection, Iterator
 from pathlib import Path
 
 from grader.course import config
@@ -121,14 +121,10 @@ def fingerprint(directory: Path) -> frozenset[tuple[str, int, int]]:
     """What :func:`stage` would copy, as (path, size, modification time) per file: it changes
     when a file of the submission is saved, added or removed (watch mode's cue to regrade)."""
     seen = set()
-    for root, dirs, files in os.walk(directory, followlinks=False):
-        dirs[:] = [d for d in dirs if d not in _SKIPPED]
-        for name in files:
-            if name in _SKIPPED or name.endswith(".pyc"):
-                continue
-            with contextlib.suppress(OSError):  # removed since it was listed: seen next time
-                info = os.lstat(Path(root) / name)
-                seen.add((os.path.join(root, name), info.st_size, info.st_mtime_ns))
+    for source in _candidates(directory):
+        with contextlib.suppress(OSError):  # removed since it was listed: seen next time
+            info = os.lstat(source)
+            seen.add((str(source), info.st_size, info.st_mtime_ns))
     return frozenset(seen)
 
 
@@ -136,6 +132,17 @@ MAX_FILE_BYTES = 1 << 20
 MAX_TOTAL_BYTES = 16 << 20
 MAX_FILES = 500
 _SKIPPED = {"__pycache__", ".git", "results.json"}
+
+
+def _candidates(directory: Path) -> Iterator[Path]:
+    """The submission's files that staging considers, in a stable order: not in a skipped
+    or symlinked folder, not a skipped name or compiled bytecode."""
+    for root, dirs, files in os.walk(directory, followlinks=False):
+        here = Path(root)
+        dirs[:] = [d for d in sorted(dirs) if d not in _SKIPPED and not (here / d).is_symlink()]
+        for name in sorted(files):
+            if name not in _SKIPPED and not name.endswith(".pyc"):
+                yield here / name
 
 
 def stage(directory: Path, import_dir: Path) -> list[str]:
@@ -153,35 +160,29 @@ def stage(directory: Path, import_dir: Path) -> list[str]:
     target.mkdir(parents=True)
     left_out: list[str] = []
     total = count = 0
-    for root, dirs, files in os.walk(directory, followlinks=False):
-        here = Path(root)
-        dirs[:] = [d for d in sorted(dirs) if d not in _SKIPPED and not (here / d).is_symlink()]
-        for name in sorted(files):
-            source = here / name
-            relative = source.relative_to(directory)
-            if name in _SKIPPED or name.endswith(".pyc"):
-                continue
-            try:
-                descriptor = os.open(source, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-            except OSError:
+    for source in _candidates(directory):
+        relative = source.relative_to(directory)
+        try:
+            descriptor = os.open(source, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        except OSError:
+            left_out.append(f"{relative}: not a regular file")
+            continue
+        with os.fdopen(descriptor, "rb") as f:
+            info = os.fstat(f.fileno())
+            if not stat.S_ISREG(info.st_mode):
                 left_out.append(f"{relative}: not a regular file")
                 continue
-            with os.fdopen(descriptor, "rb") as f:
-                info = os.fstat(f.fileno())
-                if not stat.S_ISREG(info.st_mode):
-                    left_out.append(f"{relative}: not a regular file")
-                    continue
-                if info.st_size > MAX_FILE_BYTES or total + info.st_size > MAX_TOTAL_BYTES:
-                    left_out.append(f"{relative}: too large ({info.st_size} bytes)")
-                    continue
-                if count >= MAX_FILES:
-                    left_out.append(f"{relative}: too many files")
-                    continue
-                content = f.read(MAX_FILE_BYTES + 1)
-            total, count = total + len(content), count + 1
-            destination = target / relative
-            destination.parent.mkdir(parents=True, exist_ok=True)
-            destination.write_bytes(content)
+            if info.st_size > MAX_FILE_BYTES or total + info.st_size > MAX_TOTAL_BYTES:
+                left_out.append(f"{relative}: too large ({info.st_size} bytes)")
+                continue
+            if count >= MAX_FILES:
+                left_out.append(f"{relative}: too many files")
+                continue
+            content = f.read(MAX_FILE_BYTES + 1)
+        total, count = total + len(content), count + 1
+        destination = target / relative
+        destination.parent.mkdir(parents=True, exist_ok=True)
+        destination.write_bytes(content)
     (target / "__init__.py").write_text("")
     for path in [import_dir, *import_dir.rglob("*")]:
         path.chmod(0o755 if path.is_dir() else 0o644)
