@@ -29,6 +29,8 @@ import fcntl
 import mmap
 import os
 import struct
+import threading
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -105,6 +107,10 @@ class BrokerSegment:
             os.close(fd)
             raise
         self.fd = fd  # passed to the rank once, then closed here (-1)
+        # The rank's reader thread copies out of the map without the broker's lock (``take``);
+        # this lock keeps the map open meanwhile.
+        self._taking = threading.Lock()
+        self._closed = False
         self.out = Ring(CONTROL_BYTES, RING_BYTES)
         self.into = Ring(CONTROL_BYTES + RING_BYTES, RING_BYTES)
         self._seen = 0  # the most of the in ring the rank has said it consumed
@@ -124,9 +130,12 @@ class BrokerSegment:
         if frame.buffers:
             raise wire.WireError("a frame with payloads both in the segment and in the frame")
         places = _places(raw, self.out)
-        frame.buffers = [self._copy(self.out.span(place)) for place in places]
-        if places:
-            _COUNTER.pack_into(self.map, _OUT_READ, places[-1][0] + places[-1][1])
+        with self._taking:
+            if self._closed:
+                raise wire.WireError("the connection is closing")
+            frame.buffers = [self._copy(self.out.span(place)) for place in places]
+            if places:
+                _COUNTER.pack_into(self.map, _OUT_READ, places[-1][0] + places[-1][1])
 
     def _copy(self, span: slice) -> memoryview:
         """The bytes of ``span``, copied into the broker's memory (by torch, which lets the
@@ -148,12 +157,14 @@ class BrokerSegment:
         if places is None:
             return frame
         for place, buffer in zip(places, frame.buffers, strict=True):
-            self.map[self.into.span(place)] = buffer
+            _write(self.map, self.into.span(place), buffer)
         return wire.Frame({**frame.header, "shm": places})
 
     def close(self) -> None:
-        self.handed()
-        self.map.close()
+        with self._taking:
+            self._closed = True
+            self.handed()
+            self.map.close()
 
 
 def take_payloads(segment: BrokerSegment | None, frame: wire.Frame) -> None:
@@ -184,15 +195,7 @@ class RankSegment:
         if places is None:
             return None
         for place, payload in zip(places, flat, strict=True):
-            span = self.out.span(place)
-            if isinstance(payload, torch.Tensor):
-                if place[1]:
-                    target = torch.frombuffer(
-                        self.map, dtype=torch.uint8, count=place[1], offset=span.start
-                    )
-                    target.copy_(payload)
-            else:
-                self.map[span] = payload
+            _write(self.map, self.out.span(place), payload)
         return places
 
     def views(self, raw: Any) -> list[memoryview]:
@@ -205,6 +208,20 @@ class RankSegment:
         """The payloads of a frame are consumed: the broker may write over them."""
         if raw:
             _COUNTER.pack_into(self.map, _IN_READ, raw[-1][0] + raw[-1][1])
+
+
+def _write(map: mmap.mmap, span: slice, payload: bytes | memoryview | torch.Tensor) -> None:
+    """Copy ``payload`` (bytes, or a flat uint8 tensor) into ``span`` of ``map``: by torch, which
+    lets the process's other threads run meanwhile, as a copy into the map itself would not."""
+    length = span.stop - span.start
+    if not length:
+        return
+    target = torch.frombuffer(map, dtype=torch.uint8, count=length, offset=span.start)
+    if not isinstance(payload, torch.Tensor):
+        with warnings.catch_warnings():  # a read-only payload is only read from here
+            warnings.simplefilter("ignore", UserWarning)
+            payload = torch.frombuffer(payload, dtype=torch.uint8)
+    target.copy_(payload)
 
 
 def _bytes_of(payload: bytes | torch.Tensor) -> bytes | torch.Tensor:

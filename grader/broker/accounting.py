@@ -5,8 +5,9 @@ last frame, or started its call) until the rank's next frame begins. The
 kernel knows, for every thread of the rank's process, how long it ran on a
 CPU and how long it was runnable but waited for one
 (``/proc/<pid>/task/<tid>/schedstat``: nanoseconds on a CPU, nanoseconds in
-the run queue). The pid is the socket's peer, as the kernel says
-(``SO_PEERCRED``), never what the rank says. So, over a call:
+the run queue), and the process's CPU clock counts every thread it ever had,
+those that ended included (``clock_getcpuclockid``). The pid is the socket's
+peer, as the kernel says (``SO_PEERCRED``), never what the rank says. So, over a call:
 
 - ``cpu``: every thread's time on a CPU, the rank's own work wherever it falls;
 - ``waiting``: time runnable but not running, the machine's load;
@@ -30,6 +31,7 @@ import os
 import socket
 import struct
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -57,26 +59,85 @@ def peer_pid(sock: socket.socket) -> int | None:
     return pid if pid > 0 else None
 
 
-def read(pid: int) -> Reading | None:
-    """Every thread's CPU and run-queue time of process ``pid``; None if it cannot be read."""
-    at = time.monotonic()
-    cpu = waiting = 0
-    try:
-        threads = os.listdir(f"/proc/{pid}/task")
-    except OSError:
-        return None
-    for tid in threads:
-        try:
-            fd = os.open(f"/proc/{pid}/task/{tid}/schedstat", os.O_RDONLY)
+_CPUCLOCK_SCHED = 2  # the kernel's encoding of a process's CPU clock: (~pid << 3) | 2
+
+
+class Meter:
+    """Reads one process's account from the kernel, cheaply enough for every frame it sends.
+
+        ``cpu`` is the process's CPU clock: every thread's time on a CPU, those that ended
+        included, in one system call. ``waiting`` sums the run-queue time of its live threads
+        from files kept open; the threads are listed again whenever their number changes (the
+    ``task`` folder's link count is two more than it, one ``fstat``). A
+        thread missed in between only loses its waiting, which then counts as outside time: a
+        rank can be charged more that way, never less.
+    """
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self._clock = (~pid << 3) | _CPUCLOCK_SCHED
+        self._lock = threading.Lock()  # its own reader thread and the call's start both read
+        self._task = _open(f"/proc/{pid}/task")
+        self._threads: dict[str, int] = {}  # tid: its open schedstat
+        self._count = -1
+
+    def read(self) -> Reading | None:
+        """The process's figures now; None once it cannot be read (it ended)."""
+        with self._lock:
+            at = time.monotonic()
             try:
-                on_cpu, queued, _ = os.read(fd, 128).split()
-            finally:
-                os.close(fd)
-        except (OSError, ValueError):
-            continue  # a thread that ended while we read
-        cpu += int(on_cpu)
-        waiting += int(queued)
-    return Reading(at, cpu / 1e9, waiting / 1e9)
+                cpu = time.clock_gettime(self._clock)
+                waiting = self._waiting()
+            except (OSError, ValueError):
+                return None
+            return Reading(at, cpu, waiting)
+
+    def _waiting(self) -> float:
+        if self._task < 0:
+            raise OSError("no /proc entry")
+        if os.fstat(self._task).st_nlink - 2 != self._count:
+            self._list_threads()
+        total = 0
+        for tid, fd in list(self._threads.items()):
+            try:
+                total += int(os.pread(fd, 128, 0).split()[1])
+            except (OSError, IndexError, ValueError):  # it ended: list them again next time
+                os.close(self._threads.pop(tid))
+                self._count = -1
+        return total / 1e9
+
+    def _list_threads(self) -> None:
+        tids = set(os.listdir(f"/proc/{self.pid}/task"))
+        for tid in set(self._threads) - tids:
+            os.close(self._threads.pop(tid))
+        for tid in tids - set(self._threads):
+            fd = _open(f"/proc/{self.pid}/task/{tid}/schedstat")
+            if fd >= 0:
+                self._threads[tid] = fd
+        self._count = len(tids)
+
+    def close(self) -> None:
+        with self._lock:
+            for fd in [self._task, *self._threads.values()]:
+                if fd >= 0:
+                    os.close(fd)
+            self._task, self._threads = -1, {}
+
+
+def _open(path: str) -> int:
+    try:
+        return os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return -1
+
+
+def read(pid: int) -> Reading | None:
+    """Process ``pid``'s figures now, once (a :class:`Meter` reads them at every frame)."""
+    meter = Meter(pid)
+    try:
+        return meter.read()
+    finally:
+        meter.close()
 
 
 @dataclass(frozen=True)

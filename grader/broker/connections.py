@@ -27,7 +27,7 @@ from grader import protocol, segment, wire
 from grader.broker import accounting
 from grader.broker.accounting import Reading
 from grader.broker.ops import RankState
-from grader.segment import BrokerSegment
+from grader.segment import BrokerSegment, take_payloads
 from grader.wire import Frame
 
 
@@ -90,31 +90,36 @@ class Connections(ABC):
         node, which may add what only it knows (:data:`protocol.RELAY_ONLY`).
         """
         pid = None if relayed else accounting.peer_pid(sock)
+        meter = accounting.Meter(pid) if pid is not None else None
         with self._cv:
             state = self._ranks[rank]
             if state.sock is not None:  # one connection per rank
                 sock.close()
+                if meter is not None:
+                    meter.close()
                 return
-            state.sock, state.pid = sock, pid
+            state.sock, state.meter = sock, meter
             state.segment = None if relayed else _offer_segment(sock)
             self._cv.notify_all()
         began: list[Reading | None] = []
 
         def beginning() -> None:
-            began[:] = [accounting.read(pid) if pid is not None else None]
+            began[:] = [meter.read() if meter is not None else None]
 
         try:
             while (frame := wire.recv_frame(sock, self._frame_bytes, beginning)) is not None:
-                read = accounting.read(pid) if pid is not None else None
+                unreadable = _take_payloads(state.segment, frame)  # outside the lock
                 with self._cv:
                     if relayed and frame.header["type"] in protocol.RELAY_ONLY:
                         self._relay_said(rank, frame)
                     else:
                         if state.running:
                             state.local.began(began[0], self._records(rank))
-                        self._handle(rank, frame)
+                        self._handle(rank, frame, unreadable)
                         if state.running and state.blocked_on is None:
-                            state.local.released(read, time.monotonic())
+                            # Free from now, with the figures of the frame's beginning: what
+                            # it ran meanwhile counts in its next gap, as its own work.
+                            state.local.released(began[0], time.monotonic())
                     self._cv.notify_all()
         except (OSError, wire.WireError) as err:
             if not isinstance(err, OSError):
@@ -125,6 +130,8 @@ class Connections(ABC):
             if state.segment is not None:
                 state.segment.close()
                 state.segment = None
+            if meter is not None:
+                meter.close()
             self._cv.notify_all()
 
     def _send(self, rank: int, frame: Frame) -> None:
@@ -138,8 +145,9 @@ class Connections(ABC):
                 state.alive = False
 
     @abstractmethod
-    def _handle(self, rank: int, frame: Frame) -> None:
-        """A frame from ``rank``'s own code (under the lock)."""
+    def _handle(self, rank: int, frame: Frame, unreadable: wire.WireError | None) -> None:
+        """A frame from ``rank``'s own code (under the lock); ``unreadable``: why the payloads
+        it names in the rank's segment could not be taken (:func:`_take_payloads`)."""
 
     @abstractmethod
     def _records(self, rank: int) -> tuple[int, int]:
@@ -152,6 +160,17 @@ class Connections(ABC):
     @abstractmethod
     def _broke(self, rank: int, error: str) -> None:
         """``rank``'s bytes broke the frame format: its connection is read no further."""
+
+
+def _take_payloads(segment: BrokerSegment | None, frame: Frame) -> wire.WireError | None:
+    """The broker's own copy of the payloads ``frame`` names in the rank's segment, made on the
+    rank's reader thread before the broker's lock is taken, so that the copies of several
+    ranks run side by side; the error, if they cannot be taken."""
+    try:
+        take_payloads(segment, frame)
+    except wire.WireError as err:
+        return err
+    return None
 
 
 def _offer_segment(sock: socket.socket) -> BrokerSegment | None:

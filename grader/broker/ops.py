@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from grader import wire
-from grader.broker.accounting import LocalTime
+from grader.broker.accounting import LocalTime, Meter
 from grader.failures import Fault
 from grader.protocol import ProtocolError, RankError, TensorMeta, clean, field_int
 from grader.segment import BrokerSegment
@@ -164,13 +164,13 @@ class RankState:
     recorded: int = 0  # bytes of its payloads kept in the call's record
     posted: int = 0  # operations and marks posted in this call
     broken: bool = False  # broke the protocol in this call: the call is over for it
-    pid: int | None = None  # its process, as its socket's peer (None: reached by a relay)
+    meter: Meter | None = None  # its process's account (None: reached by a relay)
     segment: BrokerSegment | None = None  # its shared memory (None: reached by a relay)
     local: LocalTime = field(default_factory=LocalTime.unmeasured)  # this call's local time
 
     def start_call(self, gates: list[Gate]) -> None:
         self.running, self.outcome, self.stack, self.broken = True, None, None, False
-        self.local = LocalTime() if self.pid is not None else LocalTime.unmeasured()
+        self.local = LocalTime() if self.meter is not None else LocalTime.unmeasured()
         self.buffered = self.posted = self.recorded = self.gate_from = 0
         self.gates = list(gates)
 

@@ -34,7 +34,6 @@ from __future__ import annotations
 import time
 
 from grader import protocol, wire
-from grader.broker import accounting
 from grader.broker.matching import Matching
 from grader.broker.ops import (
     CollectiveCall,
@@ -48,7 +47,6 @@ from grader.broker.ops import (
 from grader.broker.traffic import Event, GatePass, Wait
 from grader.failures import Fault
 from grader.protocol import ProtocolError, RankError, RankExit, clean, field_int
-from grader.segment import take_payloads
 from grader.wire import Frame
 
 
@@ -78,7 +76,7 @@ class Broker(Matching):
             for state, frame in zip(self._ranks, frames, strict=False):
                 state.start_call(gates[state.rank] if gates else [])
                 self._send(state.rank, frame)
-                state.local.released(accounting.read(state.pid) if state.pid else None)
+                state.local.released(state.meter.read() if state.meter else None)
             self.traffic.local = [state.local for state in self._ranks[: self.active]]
 
     def wait_connected(self, deadline: float) -> bool:
@@ -153,13 +151,14 @@ class Broker(Matching):
             error = clean(frame.header.get("error", ""), 300)
             self._fault(Fault.PROTOCOL, f"rank {rank} broke the protocol: {error}")
 
-    def _handle(self, rank: int, frame: Frame) -> None:
+    def _handle(self, rank: int, frame: Frame, unreadable: wire.WireError | None) -> None:
         state = self._ranks[rank]
         if state.broken:
             return  # nothing a rank says after breaking the protocol counts in this call
         handler = getattr(self, f"rank_{frame.header['type']}", None)
         try:
-            take_payloads(state.segment, frame)
+            if unreadable is not None:
+                raise unreadable
             if handler is None:
                 raise ProtocolError(f"unknown message {clean(frame.header['type'], 40)!r}")
             handler(state, frame)

@@ -6,6 +6,7 @@ import os
 import re
 import socket
 import sys
+import threading
 import time
 
 import pytest
@@ -86,6 +87,45 @@ def test_local_work_done_in_a_python_loop_costs_its_performance_points(grade) ->
     assert test["extra_data"]["local_ratio"] >= 3.0
     assert test["score"] == 0
     assert "your local work, timed on this machine" in test["output"]
+
+
+@linux
+def test_local_work_on_a_thread_that_ended_still_counts_as_computing(grade) -> None:
+    threaded = grade("coll_thread_work", "collectives", k="performance[all_reduce]",
+                     world_sizes=(2,))  # fmt: skip
+    test = threaded.test("performance[all_reduce]", 2)
+    # Two steps of the ring, 50 ms of CPU before each send, on threads that had ended.
+    for rank in test["extra_data"]["local_time"]:
+        assert rank["cpu_seconds"] >= 0.09
+        assert rank["longest_cpu_seconds"] >= 0.045
+        assert rank["longest_cpu_before"].startswith("before the send")
+    assert test["extra_data"]["local_ratio"] >= 3.0
+    assert test["score"] == 0
+    assert "your local work, timed on this machine" in test["output"]
+
+
+@linux
+def test_a_meter_counts_threads_that_ended_and_threads_that_began() -> None:
+    meter = accounting.Meter(os.getpid())
+    try:
+        before = meter.read()
+        for _ in range(2):  # the second one starts after the meter listed the threads
+            worker = threading.Thread(target=_spin, args=(0.05,))
+            worker.start()
+            worker.join()
+            meter.read()
+        after = meter.read()
+    finally:
+        meter.close()
+    assert before is not None and after is not None
+    assert after.cpu - before.cpu >= 0.09
+    assert meter.read() is None  # closed: nothing more to read
+
+
+def _spin(seconds: float) -> None:
+    end = time.thread_time() + seconds
+    while time.thread_time() < end:
+        pass
 
 
 @linux
