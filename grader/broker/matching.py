@@ -30,6 +30,7 @@ class Matching(Connections):
         self.limits = limits
         super().__init__(world_size, limits.frame_bytes)
         self.active = world_size  # the ranks of the current call: 0..active-1
+        self.keep_payloads = True  # the call's record keeps what each operation carried
         self._reset_call()
 
     def _records(self, rank: int) -> tuple[int, int]:
@@ -92,7 +93,7 @@ class Matching(Connections):
                 op.tag,
                 at=op.at,
                 dtype=op.meta.dtype if op.meta else "",
-                payload=op.payload[0] if op.payload else b"",
+                payload=op.payload[0] if op.payload and self.keep_payloads else b"",
             )
         )
         sends, recvs = self._sends[key], self._recvs[key]

@@ -93,17 +93,24 @@ class World:
         scenario: str | None = None,
         case: str = "",
         gates: Sequence[Sequence[Gate]] = (),
+        keep_payloads: bool = True,
     ) -> CallResult:
         """Run ``function`` (``"part.name"`` of the submission) or the grader's ``scenario``
         (``"part.name"`` in :mod:`grader.scenarios`) on every rank, rank r on ``args[r]``;
-        rank r's scenario passes ``gates[r]`` (:class:`grader.broker.ops.Gate`) in order."""
+        rank r's scenario passes ``gates[r]`` (:class:`grader.broker.ops.Gate`) in order.
+        ``keep_payloads=False``: the result's traffic records every message and collective,
+        but not what they carried (``Event.payload`` is empty): for calls that move megabytes
+        and whose tests read only sizes, times and results."""
         if len(args) != self.size:
             raise ValueError(f"call needs arguments for {self.size} ranks, got {len(args)}")
+        if gates and not keep_payloads:
+            raise ValueError("gates open on what all-reduces carried: keep the payloads")
         key = "function" if function else "scenario"
         try:
             return self._pool.call(
-                self.size, key, function or scenario or "", args, self.limits, case, gates
-            )
+                self.size, key, function or scenario or "", args, self.limits, case, gates,
+                keep_payloads,
+            )  # fmt: skip
         except (failures.RankFailure, failures.GraderFailure):
             raise
         except Exception as err:  # the grader's own machinery: never the student's doing
@@ -138,6 +145,7 @@ class RankPool:
         limits: CallLimits,
         case: str,
         gates: Sequence[Sequence[Gate]] = (),
+        keep_payloads: bool = True,
     ) -> CallResult:
         part = target.split(".")[0]
         if part in self.poisoned:
@@ -156,7 +164,9 @@ class RankPool:
             }
             frames.append(Frame(header, buffers))
         started = time.monotonic()
-        job.broker.start_call(frames, limits.forbid_collectives, [list(g) for g in gates])
+        job.broker.start_call(
+            frames, limits.forbid_collectives, [list(g) for g in gates], keep_payloads
+        )
         finished = job.broker.wait_call(started + limits.timeout)
         seconds = time.monotonic() - started
         if not finished:
