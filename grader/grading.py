@@ -28,7 +28,7 @@ import pytest
 from grader import protocol, sandbox
 from grader.course import config as course
 from grader.course.catalog import GradedTest, WorldSizes, graded_pytest
-from grader.course.config import GradingConfig
+from grader.course.config import TIMED, GradingConfig
 from grader.course.secret import secret, secret_path
 from grader.course.submission import problem_with, stage
 from grader.judge.audit import audit
@@ -207,6 +207,8 @@ class Session:
             pool = RankPool(size, settings)
         pool.start_ahead()  # its ranks import torch while pytest collects the graded tests
         reference = self._reference_pool(settings, size)
+        if reference is not None and any(t.kind == TIMED for t in tests):
+            reference.start_ahead()  # else the first timed test waits for its torch imports
         try:
             outcome = _run_tests(self.config, tests, pool, reference, on_start, on_verdict)
         finally:

@@ -76,6 +76,9 @@ FAILURE = "failure"
 STACK = "stack"
 MARK = "mark"
 GATE = "gate"
+#: A call's own traffic: handling one of these changes nothing the pool waits for (a rank's
+#: outcome, its connection, its stack), unless it ends the rank's call.
+OPERATIONS = frozenset({SEND, RECV, COLLECTIVE, WAIT, MARK, GATE})
 # Frame types, broker to rank.
 CALL = "call"
 DONE = "done"

@@ -8,7 +8,9 @@ A rank of this machine gets its shared-memory segment (:mod:`grader.segment`) in
 first frame on its connection; what the broker sends it goes through the segment when
 it fits there. A relayed rank gets none.
 
-The lock's condition is the pool's one event path: a frame handled, a rank's connection
+The lock's condition is the pool's one event path: a frame that changed what the pool waits
+for (a rank's outcome, its stack: every frame but a call's own operations, and those that
+end the rank's call, :data:`grader.protocol.OPERATIONS`), a rank's connection
 ended, a relay's word of how its rank ended, and, from outside, the job's end
 (:meth:`Connections.end_job`: its torchrun exited, a node went) each notify it, and
 whoever waits on the job waits there, with no poll.
@@ -110,6 +112,7 @@ class Connections(ABC):
             while (frame := wire.recv_frame(sock, self._frame_bytes, beginning)) is not None:
                 unreadable = _take_payloads(state.segment, frame)  # outside the lock
                 with self._cv:
+                    outcome = state.outcome
                     if relayed and frame.header["type"] in protocol.RELAY_ONLY:
                         self._relay_said(rank, frame)
                     else:
@@ -120,7 +123,11 @@ class Connections(ABC):
                             # Free from now, with the figures of the frame's beginning: what
                             # it ran meanwhile counts in its next gap, as its own work.
                             state.local.released(began[0], time.monotonic())
-                    self._cv.notify_all()
+                    if (
+                        frame.header["type"] not in protocol.OPERATIONS
+                        or state.outcome is not outcome
+                    ):
+                        self._cv.notify_all()
         except (OSError, wire.WireError) as err:
             if not isinstance(err, OSError):
                 with self._cv:

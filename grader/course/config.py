@@ -127,6 +127,7 @@ VISIBILITIES = ("hidden", "after_due_date", "after_published", VISIBLE)
 # them: the bytes, the time, the schedule), which earn points only on a correct result.
 COST_KINDS = ("communication", "performance", "schedule")
 KINDS = ("correctness", *COST_KINDS)
+TIMED = "performance"  # the kind timed against the reference's own job, in the same run
 # Gradescope's top-level keys a ``gradescope:`` block may set, each a visibility.
 GRADESCOPE_KEYS = ("visibility", "stdout_visibility")
 

@@ -162,7 +162,7 @@ class FixList:
     """What to fix first: one failure per cause, the tests it also failed, the counts."""
 
     shown: list[GradedResult]
-    repeated: int  # failures that repeat a cause already shown
+    repeated: int  # failures that repeat a cause already shown (named on its line)
     not_run: int
     same_functions: bool  # every test counted is of a function already shown
     also: dict[int, list[GradedResult]] = field(default_factory=dict)  # by id of a shown one
@@ -172,18 +172,17 @@ class FixList:
         return self.repeated + self.not_run
 
     def summary_line(self) -> str:
-        if not self.hidden:
-            return ""
-        counts = [
-            f"{self.repeated} failing the same way" if self.repeated else "",
-            f"{self.not_run} not run" if self.not_run else "",
-        ]
-        whose = " of the same functions" if self.same_functions else ""
-        plural = "s" if self.hidden > 1 else ""
-        return (
-            f"and {self.hidden} more test{plural}{whose} "
-            f"({', '.join(c for c in counts if c)}): `grader run --verbose` lists them"
-        )
+        """What the causes above leave unsaid. Each failure that repeats a cause is named on
+        that cause's line (:meth:`affected`), so only the tests not run are counted here."""
+        if self.not_run:
+            plural = "s" if self.not_run > 1 else ""
+            whose = " of the same functions" if self.same_functions and self.shown else ""
+            counted = f"{self.not_run} {'more ' if self.shown else ''}test{plural}{whose}"
+            lead = "and " if self.shown else ""
+            return f"{lead}{counted} not run: `grader run --verbose` lists them"
+        if self.repeated:
+            return "`grader run --verbose` lists every test"
+        return ""
 
     def affected(self, shown: GradedResult, limit: int = 6) -> str:
         """The other tests that failed of ``shown``'s cause: name (world sizes), ..."""
