@@ -50,8 +50,10 @@ dist.destroy_process_group()
 
 
 def timed(command: list[str], cwd: Path) -> tuple[float, float]:
-    """Wall seconds of ``command`` and the peak memory of its whole process tree (MB, the sum
-    of the resident sets, sampled every 0.1 s: what a container's memory limit must allow)."""
+    """Wall seconds of ``command`` and the peak memory of its whole process tree (MB, sampled
+    every 0.1 s: what a container's memory limit must allow). Each process counts its
+    proportional set (``Pss``: a page shared by n processes counts 1/n in each), as a
+    container's limit counts each page once; its resident set where that cannot be read."""
     from grader.launch.job import descendants
 
     start = time.monotonic()
@@ -60,16 +62,24 @@ def timed(command: list[str], cwd: Path) -> tuple[float, float]:
     )
     peak = 0
     while process.poll() is None:
-        total = 0
-        for pid in [process.pid, *descendants(process.pid)]:
-            try:
-                fields = Path(f"/proc/{pid}/statm").read_text().split()
-            except OSError:
-                continue
-            total += int(fields[1]) * resource.getpagesize()
+        total = sum(_memory(pid) for pid in [process.pid, *descendants(process.pid)])
         peak = max(peak, total)
         time.sleep(0.1)
     return time.monotonic() - start, peak / 2**20
+
+
+def _memory(pid: int) -> int:
+    """Bytes of ``pid``'s proportional set, or of its resident set; 0 once it has ended."""
+    try:
+        for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+            if line.startswith("Pss:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return int(Path(f"/proc/{pid}/statm").read_text().split()[1]) * resource.getpagesize()
+    except OSError:
+        return 0
 
 
 def watch_regrades(command: list[str], source: Path, edits: int, editing: float) -> list[float]:

@@ -224,7 +224,8 @@ class Session:
         return outcome
 
     def _reference_pool(self, settings: JobSettings, size: int) -> RankPool | None:
-        """The reference's job, started at its first use and kept for the whole session."""
+        """The reference's job, kept for the whole session (started ahead when timed tests are
+        selected, else at its first use)."""
         if self._reference is not None and self._reference.size < size:
             self._reference.close()
             self._reference = None

@@ -30,7 +30,6 @@ import mmap
 import os
 import struct
 import threading
-import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -211,17 +210,12 @@ class RankSegment:
 
 
 def _write(map: mmap.mmap, span: slice, payload: bytes | memoryview | torch.Tensor) -> None:
-    """Copy ``payload`` (bytes, or a flat uint8 tensor) into ``span`` of ``map``: by torch, which
-    lets the process's other threads run meanwhile, as a copy into the map itself would not."""
-    length = span.stop - span.start
-    if not length:
-        return
-    target = torch.frombuffer(map, dtype=torch.uint8, count=length, offset=span.start)
+    """Copy ``payload`` (bytes, or a flat uint8 tensor) into ``span`` of ``map``."""
     if not isinstance(payload, torch.Tensor):
-        with warnings.catch_warnings():  # a read-only payload is only read from here
-            warnings.simplefilter("ignore", UserWarning)
-            payload = torch.frombuffer(payload, dtype=torch.uint8)
-    target.copy_(payload)
+        map[span] = payload
+    elif payload.numel():  # by torch, which lets the process's other threads run meanwhile
+        length = payload.numel()
+        torch.frombuffer(map, dtype=torch.uint8, count=length, offset=span.start).copy_(payload)
 
 
 def _bytes_of(payload: bytes | torch.Tensor) -> bytes | torch.Tensor:
