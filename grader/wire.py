@@ -238,7 +238,7 @@ def _decode_tensor(node: dict[str, Any], buffers: list[bytes]) -> torch.Tensor:
         # the trusted side the moment it is compared or copied. Honest senders copy first.
         raise WireError(f"a tensor of shape {shape[:8]} views only {span} elements of storage")
     data = buffers[index]
-    itemsize = torch.empty((), dtype=dtype).element_size()
+    itemsize = dtype.itemsize
     if len(data) != span * itemsize:
         raise WireError(f"tensor needs {span * itemsize} bytes, its buffer has {len(data)}")
     flat = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0)

@@ -75,7 +75,7 @@ class Gate:
         if event.op != "all_reduce" or not event.payload or len(event.payload) > 1 << 24:
             return False
         dtype = wire.DTYPES.get(event.dtype, torch.float32)
-        if len(event.payload) % torch.empty((), dtype=dtype).element_size():
+        if len(event.payload) % dtype.itemsize:
             return False
         carried = torch.frombuffer(bytearray(event.payload), dtype=dtype).double()
         needs = torch.tensor(self.needs, dtype=torch.float64)
@@ -215,7 +215,7 @@ def itemsize(meta: TensorMeta) -> int:
     dtype = wire.DTYPES.get(meta.dtype)
     if dtype is None:
         raise ProtocolError(f"unknown dtype {meta.dtype!r}")
-    return torch.empty((), dtype=dtype).element_size()
+    return dtype.itemsize
 
 
 def nbytes(meta: TensorMeta) -> int:
