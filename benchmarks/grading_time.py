@@ -49,22 +49,27 @@ dist.destroy_process_group()
 """
 
 
+MEMORY_EVERY = 1.0  # seconds between two samples: a sample reads a few ms per process
+
+
 def timed(command: list[str], cwd: Path) -> tuple[float, float]:
     """Wall seconds of ``command`` and the peak memory of its whole process tree (MB, sampled
-    every 0.1 s: what a container's memory limit must allow). Each process counts its
-    proportional set (``Pss``: a page shared by n processes counts 1/n in each), as a
-    container's limit counts each page once; its resident set where that cannot be read."""
+    every :data:`MEMORY_EVERY` s: what a container's memory limit must allow). Each process
+    counts its proportional set (``Pss``: a page shared by n processes counts 1/n in each),
+    as a container's limit counts each page once; its resident set where that cannot be read."""
     from grader.launch.job import descendants
 
     start = time.monotonic()
     process = subprocess.Popen(
         command, cwd=cwd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
     )
-    peak = 0
+    peak, sampled = 0, 0.0
     while process.poll() is None:
-        total = sum(_memory(pid) for pid in [process.pid, *descendants(process.pid)])
-        peak = max(peak, total)
-        time.sleep(0.1)
+        if time.monotonic() - sampled >= MEMORY_EVERY:
+            sampled = time.monotonic()
+            total = sum(_memory(pid) for pid in [process.pid, *descendants(process.pid)])
+            peak = max(peak, total)
+        time.sleep(0.05)
     return time.monotonic() - start, peak / 2**20
 
 
