@@ -65,12 +65,12 @@ _CPUCLOCK_SCHED = 2  # the kernel's encoding of a process's CPU clock: (~pid << 
 class Meter:
     """Reads one process's account from the kernel, cheaply enough for every frame it sends.
 
-        ``cpu`` is the process's CPU clock: every thread's time on a CPU, those that ended
-        included, in one system call. ``waiting`` sums the run-queue time of its live threads
-        from files kept open; the threads are listed again whenever their number changes (the
-    ``task`` folder's link count is two more than it, one ``fstat``). A
-        thread missed in between only loses its waiting, which then counts as outside time: a
-        rank can be charged more that way, never less.
+    ``cpu`` is the process's CPU clock: every thread's time on a CPU, those that ended
+    included, in one system call. ``waiting`` sums the run-queue time of its live threads
+    from files kept open; the threads are listed again whenever their number changes (the
+    ``task`` folder's link count is two more than it, one ``fstat``). A thread missed in
+    between only loses its waiting, which then counts as outside time: a rank can be
+    charged more that way, never less.
     """
 
     def __init__(self, pid: int) -> None:
@@ -88,7 +88,7 @@ class Meter:
             try:
                 cpu = time.clock_gettime(self._clock)
                 waiting = self._waiting()
-            except (OSError, ValueError):
+            except OSError:  # it ended, or the meter was closed
                 return None
             return Reading(at, cpu, waiting)
 
@@ -129,15 +129,6 @@ def _open(path: str) -> int:
         return os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     except OSError:
         return -1
-
-
-def read(pid: int) -> Reading | None:
-    """Process ``pid``'s figures now, once (a :class:`Meter` reads them at every frame)."""
-    meter = Meter(pid)
-    try:
-        return meter.read()
-    finally:
-        meter.close()
 
 
 @dataclass(frozen=True)

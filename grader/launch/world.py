@@ -107,10 +107,10 @@ class World:
             raise ValueError("gates open on what all-reduces carried: keep the payloads")
         key = "function" if function else "scenario"
         try:
+            target = function or scenario or ""
             return self._pool.call(
-                self.size, key, function or scenario or "", args, self.limits, case, gates,
-                keep_payloads,
-            )  # fmt: skip
+                self.size, key, target, args, self.limits, case, gates, keep_payloads
+            )
         except (failures.RankFailure, failures.GraderFailure):
             raise
         except Exception as err:  # the grader's own machinery: never the student's doing

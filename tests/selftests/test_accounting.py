@@ -54,14 +54,18 @@ def test_the_pid_is_the_kernels_and_the_reading_counts_every_thread() -> None:
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     with ours, theirs:
         assert accounting.peer_pid(ours) == os.getpid()
-    before = accounting.read(os.getpid())
-    end = time.process_time() + 0.05
-    while time.process_time() < end:
-        pass
-    after = accounting.read(os.getpid())
+    meter = accounting.Meter(os.getpid())
+    try:
+        before = meter.read()
+        end = time.process_time() + 0.05
+        while time.process_time() < end:
+            pass
+        after = meter.read()
+    finally:
+        meter.close()
     assert before is not None and after is not None
     assert after.cpu - before.cpu >= 0.04
-    assert accounting.read(2**22 + 1) is None  # no such process
+    assert accounting.Meter(2**22 + 1).read() is None  # no such process
 
 
 @linux
