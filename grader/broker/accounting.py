@@ -60,6 +60,9 @@ def peer_pid(sock: socket.socket) -> int | None:
 
 
 _CPUCLOCK_SCHED = 2  # the kernel's encoding of a process's CPU clock: (~pid << 3) | 2
+#: Threads of a rank whose ``schedstat`` stays open; any more are opened at each reading, so
+#: that a rank starting hundreds of threads cannot use up the grader's descriptors.
+KEPT_OPEN = 16
 
 
 class Meter:
@@ -67,8 +70,9 @@ class Meter:
 
     ``cpu`` is the process's CPU clock: every thread's time on a CPU, those that ended
     included, in one system call. ``waiting`` sums the run-queue time of its live threads
-    from files kept open; the threads are listed again whenever their number changes (the
-    ``task`` folder's link count is two more than it, one ``fstat``). A thread missed in
+    from files kept open (for :data:`KEPT_OPEN` of them); the threads are listed again
+    whenever their number changes (the ``task`` folder's link count is two more than it, one
+    ``fstat``). A thread missed in
     between only loses its waiting, which then counts as outside time: a rank can be
     charged more that way, never less.
     """
@@ -78,7 +82,7 @@ class Meter:
         self._clock = (~pid << 3) | _CPUCLOCK_SCHED
         self._lock = threading.Lock()  # its own reader thread and the call's start both read
         self._task = _open(f"/proc/{pid}/task")
-        self._threads: dict[str, int] = {}  # tid: its open schedstat
+        self._threads: dict[str, int] = {}  # tid: its open schedstat, or -1 (opened each time)
         self._count = -1
 
     def read(self) -> Reading | None:
@@ -100,27 +104,38 @@ class Meter:
         total = 0
         for tid, fd in list(self._threads.items()):
             try:
-                total += int(os.pread(fd, 128, 0).split()[1])
+                total += int(self._schedstat(tid, fd).split()[1])
             except (OSError, IndexError, ValueError):  # it ended: list them again next time
-                os.close(self._threads.pop(tid))
+                _close(self._threads.pop(tid))
                 self._count = -1
         return total / 1e9
+
+    def _schedstat(self, tid: str, fd: int) -> bytes:
+        if fd >= 0:
+            return os.pread(fd, 128, 0)
+        fd = os.open(f"/proc/{self.pid}/task/{tid}/schedstat", os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            return os.read(fd, 128)
+        finally:
+            os.close(fd)
 
     def _list_threads(self) -> None:
         tids = set(os.listdir(f"/proc/{self.pid}/task"))
         for tid in set(self._threads) - tids:
-            os.close(self._threads.pop(tid))
-        for tid in tids - set(self._threads):
-            fd = _open(f"/proc/{self.pid}/task/{tid}/schedstat")
-            if fd >= 0:
-                self._threads[tid] = fd
+            _close(self._threads.pop(tid))
+        kept = sum(fd >= 0 for fd in self._threads.values())
+        for tid in sorted(tids - set(self._threads)):
+            if kept < KEPT_OPEN:
+                self._threads[tid] = _open(f"/proc/{self.pid}/task/{tid}/schedstat")
+                kept += self._threads[tid] >= 0
+            else:
+                self._threads[tid] = -1
         self._count = len(tids)
 
     def close(self) -> None:
         with self._lock:
             for fd in [self._task, *self._threads.values()]:
-                if fd >= 0:
-                    os.close(fd)
+                _close(fd)
             self._task, self._threads = -1, {}
 
 
@@ -129,6 +144,11 @@ def _open(path: str) -> int:
         return os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     except OSError:
         return -1
+
+
+def _close(fd: int) -> None:
+    if fd >= 0:
+        os.close(fd)
 
 
 @dataclass(frozen=True)

@@ -126,6 +126,27 @@ def test_a_meter_counts_threads_that_ended_and_threads_that_began() -> None:
     assert meter.read() is None  # closed: nothing more to read
 
 
+@linux
+def test_a_rank_with_hundreds_of_threads_costs_the_meter_a_bounded_number_of_descriptors() -> None:
+    release = threading.Event()
+    threads = [threading.Thread(target=release.wait) for _ in range(4 * accounting.KEPT_OPEN)]
+    for thread in threads:
+        thread.start()
+    held = len(os.listdir("/proc/self/fd"))
+    meter = accounting.Meter(os.getpid())
+    try:
+        assert meter.read() is not None
+        assert len(os.listdir("/proc/self/fd")) <= held + 1 + accounting.KEPT_OPEN
+        release.set()
+        for thread in threads:
+            thread.join()
+        assert meter.read() is not None  # the ended threads are dropped, the rest still read
+    finally:
+        release.set()
+        meter.close()
+    assert len(os.listdir("/proc/self/fd")) == held
+
+
 def _spin(seconds: float) -> None:
     end = time.thread_time() + seconds
     while time.thread_time() < end:
