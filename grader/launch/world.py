@@ -84,6 +84,8 @@ class World:
         self.size = size
         self.limits = limits
         self._pool = pool
+        # A world serves one test: its first call imports the submission anew on every rank.
+        self._fresh = True
 
     def call(
         self,
@@ -106,10 +108,11 @@ class World:
         if gates and not keep_payloads:
             raise ValueError("gates open on what all-reduces carried: keep the payloads")
         key = "function" if function else "scenario"
+        fresh, self._fresh = self._fresh, False
         try:
             target = function or scenario or ""
             return self._pool.call(
-                self.size, key, target, args, self.limits, case, gates, keep_payloads
+                self.size, key, target, args, self.limits, case, gates, keep_payloads, fresh
             )
         except (failures.RankFailure, failures.GraderFailure):
             raise
@@ -146,7 +149,10 @@ class RankPool:
         case: str,
         gates: Sequence[Sequence[Gate]] = (),
         keep_payloads: bool = True,
+        fresh: bool = False,
     ) -> CallResult:
+        """Run ``target`` on the first ``world_size`` ranks; ``fresh``: a test's first call,
+        for which every rank imports the submission anew."""
         part = target.split(".")[0]
         if part in self.poisoned:
             raise type(self.poisoned[part])(f"not run: {self.poisoned[part]} (in an earlier test)")
@@ -161,6 +167,7 @@ class RankPool:
                 "world_size": world_size,
                 key: target,
                 "args": node,
+                "fresh": fresh,
             }
             frames.append(Frame(header, buffers))
         started = time.monotonic()

@@ -1,0 +1,3 @@
+"""A helper module of the submission, imported by ``collectives``."""
+
+calls = 0
