@@ -36,6 +36,12 @@ with a ``CLONE_NEW*`` flag,          gives the rank capabilities over it, and mo
 ``clone3`` (ENOSYS), ``mount`` and   nothing a rank needs, and the way around the rest.
 the new mount API, ``pivot_root``
 ``io_uring_setup``                   io_uring's operations bypass this filter.
+``fork``, ``vfork``, ``clone``       a new process: the kernel's accounting of the rank
+without ``CLONE_THREAD``             (``grader/broker/accounting.py``) counts its own
+                                     threads, not its children, so a child could compute
+                                     while the rank waits on the broker and its work would
+                                     never be charged. Threads stay allowed (torch's, the
+                                     student's): they are counted.
 ===================================  =====================================================
 
 The program is compiled with libseccomp (the system's ``libseccomp2``) through its Python
@@ -63,7 +69,8 @@ _F_OFD_GETLK, _F_OFD_SETLK, _F_OFD_SETLKW = 36, 37, 38
 _F_SETLEASE, _F_GETLEASE, _F_NOTIFY = 1024, 1025, 1026
 LOCK_COMMANDS = (_F_GETLK, _F_SETLK, _F_SETLKW, _F_OFD_GETLK, _F_OFD_SETLK, _F_OFD_SETLKW)
 _FCNTL_REFUSED = (*LOCK_COMMANDS, _F_SETLEASE, _F_GETLEASE, _F_NOTIFY)
-# <linux/sched.h>: the namespace flags of clone(2).
+# <linux/sched.h>: a new thread of the caller's process, and the namespace flags of clone(2).
+_CLONE_THREAD = 0x00010000
 _CLONE_NEW = {
     "CLONE_NEWNS": 0x00020000,
     "CLONE_NEWCGROUP": 0x02000000,
@@ -98,6 +105,7 @@ REFUSED: dict[str, tuple[str, ...]] = {
         *("fsopen", "fsconfig", "fsmount", "fspick", "move_mount", "open_tree"),
     ),
     "io_uring": ("io_uring_setup",),
+    "new processes": ("fork", "vfork"),  # and clone without CLONE_THREAD (_rules)
 }
 
 
@@ -130,6 +138,7 @@ def _rules(seccomp: ModuleType) -> Iterator[tuple[int, str, tuple[object, ...]]]
             yield eperm, name, (seccomp.Arg(1, seccomp.EQ, command),)
     for flag in _CLONE_NEW.values():  # clone's flags are its first argument on every ABI here
         yield eperm, "clone", (seccomp.Arg(0, seccomp.MASKED_EQ, flag, flag),)
+    yield eperm, "clone", (seccomp.Arg(0, seccomp.MASKED_EQ, _CLONE_THREAD, 0),)  # a process
     yield seccomp.ERRNO(errno.ENOSYS), "clone3", ()  # flags behind a pointer: fall back
 
 

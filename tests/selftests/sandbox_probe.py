@@ -102,14 +102,21 @@ elif mode.startswith("probe"):
         "leaked": "GRADER_TEST_SECRET" in os.environ,
     }), flush=True)
 elif mode == "daemon":
-    if os.fork() == 0:
+    try:
+        child = os.fork()
+    except PermissionError:  # the sandbox's filter: a rank starts no process
+        with open("daemon.pid", "w") as f:
+            f.write("refused")
+        child = -1
+    if child == 0:
         os.setsid()
         if os.fork() == 0:
             with open("daemon.pid", "w") as f:
                 f.write(str(os.getpid()))
             os.execv(sys.executable, [sys.executable, "-c", "import time; time.sleep(60)", token])
         os._exit(0)
-    os.wait()
+    if child > 0:
+        os.wait()
     time.sleep(60)
 """
 
@@ -193,13 +200,14 @@ class World:
 
     def sandbox(self, level: Level, **options) -> Sandbox:
         options.setdefault("memory_bytes", 1 << 30)
+        env = {"PYTHONDONTWRITEBYTECODE": "1", **options.pop("env", {})}
         return Sandbox(
             level=level,
             scratch=self.base / "scratch",
             hidden=(self.repo, Path.home()),  # this machine's interpreter is in /root/.pyenv
             readable=(self.repo / "grader", *PREFIXES),
             sockets=(self.sock,),
-            env={"PYTHONDONTWRITEBYTECODE": "1"},
+            env=env,
             **options,
         )
 

@@ -109,6 +109,19 @@ def test_local_work_on_a_thread_that_ended_still_counts_as_computing(grade) -> N
 
 
 @linux
+def test_work_in_a_child_process_is_refused_where_it_could_not_be_counted(grade) -> None:
+    """A child's CPU is outside its rank's accounting: the sandbox refuses to start one."""
+    forked = grade("coll_child_work", "collectives", k="all_reduce", world_sizes=(2,))
+    assert forked.results["extra_data"]["sandbox"] != "none"
+    tests = forked.results["tests"]
+    assert tests and all(test["score"] == 0 for test in tests)
+    correctness = forked.test("all_reduce", 2)
+    assert correctness["extra_data"]["outcome"] == "error"
+    assert "PermissionError" in correctness["output"]
+    assert "subprocess.run(" in correctness["output"]  # the fork was refused, and then this
+
+
+@linux
 def test_a_meter_counts_threads_that_ended_and_threads_that_began() -> None:
     meter = accounting.Meter(os.getpid())
     try:
