@@ -266,10 +266,7 @@ def rows_problem(case: Case, events: list[Event], expected: list[list[Tensor]]) 
         itemsize = getattr(torch, event.dtype or "float32").itemsize
         for j, (size, want) in enumerate(zip(event.pieces, to_each, strict=True)):
             got, start = values[start : start + size // itemsize], start + size // itemsize
-            scale = max(1.0, float(want.abs().max()) if want.numel() else 0.0)
-            if got.shape == want.shape and torch.allclose(
-                got.sort().values, want.sort().values, rtol=1e-4, atol=1e-5 * scale
-            ):
+            if same_values(got, want):
                 continue
             return (
                 f"its {ROW_PASSES[k]} all-to-all sent rank {j} {got.numel()} values that are "
@@ -277,3 +274,29 @@ def rows_problem(case: Case, events: list[Event], expected: list[list[Tensor]]) 
                 "multiset)"
             )
     return None
+
+
+def messages_problem(sends: list[Event], expected: list[list[Tensor]], peer: int) -> str | None:
+    """Why the token rows a rank sent rank ``peer`` as messages (its own all-to-all from
+    ``send``/``recv``: ``sends``, its messages of floating-point data to that rank) do not
+    carry, all passes together, the values :func:`rows_carried` computed for that rank, as a
+    multiset; or None."""
+    values = [carried(e) for e in sends]
+    got = torch.cat(values) if values else torch.zeros(0, dtype=torch.float64)
+    want = torch.cat([to_each[peer] for to_each in expected])
+    if same_values(got, want):
+        return None
+    return (
+        f"its messages to rank {peer} carried {got.numel()} values that are not what this "
+        "rank owes it: the token rows of its pairs routed to that rank's experts, its experts' "
+        "outputs for that rank's rows, and backward's gradients of both (the broker's record "
+        "of what they carried, compared as a multiset)"
+    )
+
+
+def same_values(got: Tensor, want: Tensor) -> bool:
+    """``got`` holds ``want``'s values, in any order, within float32's rounding."""
+    scale = max(1.0, float(want.abs().max()) if want.numel() else 0.0)
+    return got.shape == want.shape and torch.allclose(
+        got.sort().values, want.sort().values, rtol=1e-4, atol=1e-5 * scale
+    )

@@ -54,6 +54,7 @@ from grader.testkit.moe import (
     Oracle,
     draw_layer,
     draw_tokens,
+    messages_problem,
     oracle,
     rank_major_taken_as_expert_major,
     rows_carried,
@@ -264,7 +265,7 @@ def check_traffic(
     )
     moved = [e.nbytes for e in data if e.op == "all_to_all"]
     if not moved and any(e.peer >= 0 for e in events):
-        check_messages(case, out, kept, rank)  # the student's own all-to-all of messages
+        check_messages(case, out, kept, rank, rows)  # the student's own all-to-all of messages
         return
     count_bytes = sum(e.nbytes for e in collectives if is_count(e))
     limit = 2 * case.p * case.num_experts * 8
@@ -304,26 +305,30 @@ def check_traffic(
     require(problem is None, f"{what}: {problem}")
 
 
-def check_messages(case: Case, out: CallResult, kept: Tensor, rank: int) -> None:
+def check_messages(
+    case: Case, out: CallResult, kept: Tensor, rank: int, rows: list[list[Tensor]]
+) -> None:
     """Rows exchanged by send/recv: to each peer exactly the rows the two owe each other,
-    with room for the counts."""
+    with room for the counts, and the values those rows must hold (``rows``: what this
+    rank's all-to-alls must carry to each rank, :func:`rows_carried`)."""
     n, row = case.num_experts // case.p, D * 4
     for peer in range(case.p):
         if peer == rank:
             continue
-        rows = int(
+        owed = int(
             kept[rank, n * peer : n * (peer + 1)].sum()
             + kept[peer, n * rank : n * (rank + 1)].sum()
         )
-        sent = sum(
-            e.nbytes for e in out.traffic.per_rank[rank] if e.op == "send" and e.peer == peer
-        )
-        low, high = 2 * rows * row, 2 * rows * row + 2 * case.num_experts * 8
+        sends = [e for e in out.traffic.per_rank[rank] if e.op == "send" and e.peer == peer]
+        sent = sum(e.nbytes for e in sends)
+        low, high = 2 * owed * row, 2 * owed * row + 2 * case.num_experts * 8
         require(
             low <= sent <= high,
             f"{case.describe()}: sent {sent} bytes to rank {peer}; the rows the two ranks' "
             f"tokens route to each other's experts, there and back, are {low} bytes",
         )
+        problem = messages_problem([e for e in sends if not is_count(e)], rows, peer)
+        require(problem is None, f"{case.describe()}: {problem}")
 
 
 @pytest.mark.graded(target="expert_parallel.ExpertParallelMoE", kind="communication")

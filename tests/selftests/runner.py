@@ -24,12 +24,13 @@ def materialize(name: str, into: Path) -> Path:
     override what they break; the ranks cannot see the reference (it is hidden
     from them), so the reference's source is written into the file first, and
     the override follows it. ``from reference import <part> as R`` keeps a
-    snapshot of the reference's names as ``R``.
+    snapshot of the reference's names as ``R``. ``"a+b"`` is ``a`` with ``b``'s
+    overrides after its own (one attack through another's honest variant).
     """
-    source_dir = SUBMISSIONS / name
+    first, *more = name.split("+")
     target = into / name
     target.mkdir(parents=True, exist_ok=True)
-    for path in source_dir.iterdir():
+    for path in (SUBMISSIONS / first).iterdir():
         if path.suffix != ".py":
             continue
         lines = path.read_text().splitlines()
@@ -37,21 +38,29 @@ def materialize(name: str, into: Path) -> Path:
             (target / path.name).write_text(path.read_text())
             continue
         reference = (REPO / "reference" / path.name).read_text()
-        body = []
-        for line in lines:
-            found = _IMPORT.match(line)
-            if line.startswith("from __future__"):
-                continue
-            if found is None:
-                body.append(line)
-            elif found.group(1) is None:  # from reference import part as alias
-                alias = found.group(2).split(" as ")[-1].strip()
-                body.append(f"{alias} = __import__('types').SimpleNamespace(**dict(globals()))")
-            elif " as " in found.group(2):  # from reference.part import name as alias
-                original, alias = (w.strip() for w in found.group(2).split(" as "))
-                body.append(f"{alias} = {original}")
+        body = _overrides(lines)
+        for other in more:
+            body += ["", *_overrides((SUBMISSIONS / other / path.name).read_text().splitlines())]
         (target / path.name).write_text(reference + "\n\n" + "\n".join(body) + "\n")
     return target
+
+
+def _overrides(lines: list[str]) -> list[str]:
+    """A submission file's own lines, its imports of the reference made into what they bind."""
+    body = []
+    for line in lines:
+        found = _IMPORT.match(line)
+        if line.startswith("from __future__"):
+            continue
+        if found is None:
+            body.append(line)
+        elif found.group(1) is None:  # from reference import part as alias
+            alias = found.group(2).split(" as ")[-1].strip()
+            body.append(f"{alias} = __import__('types').SimpleNamespace(**dict(globals()))")
+        elif " as " in found.group(2):  # from reference.part import name as alias
+            original, alias = (w.strip() for w in found.group(2).split(" as "))
+            body.append(f"{alias} = {original}")
+    return body
 
 
 @dataclass

@@ -192,3 +192,14 @@ def test_a_combine_of_zeros_earns_no_communication_points(grade) -> None:
     assert " values that are not its experts' outputs for the rows that rank dispatched " in (
         message
     )
+
+
+def test_a_combine_of_zeros_in_its_own_messages_earns_no_communication_points(grade) -> None:
+    """The same attack through the student's own all-to-all of isend/irecv messages, whose
+    bytes per peer are right: what they carry is compared too."""
+    graded = grade("ep_decoy_combine+ep_own_all_to_all", PART, world_sizes=(2,))
+    failed, _ = verdicts(graded, 2)
+    assert failed == {n for n in ALL if n.startswith("communication")}
+    message = graded.message("communication[capacity_factor=None]", 2)
+    assert ": its messages to rank " in message
+    assert " values that are not what this rank owes it: " in message

@@ -4,6 +4,10 @@ sends zeros of the right size, its result dropped. Backward is the real one (the
 all-to-alls carry the outputs' gradients to the owners and the rows' gradients home), so the
 outputs, the tokens' gradients and the experts' gradients are all right, and every
 all-to-all has the reference's split sizes. But the combine carries no expert output.
+
+The exchanges go through the module's own ``_all_to_all`` (the reference's, by
+all_to_all_single): ``ep_decoy_combine+ep_own_all_to_all`` makes the same attack through the
+student's own all-to-all of isend/irecv messages.
 """
 
 import torch
@@ -17,13 +21,13 @@ class _DecoyCombine(torch.autograd.Function):
     @staticmethod
     def forward(ctx, outputs, local, send_splits, recv_splits, group):
         ctx.splits, ctx.group = (send_splits, recv_splits), group
-        _reference._all_to_all(torch.zeros_like(outputs), send_splits, recv_splits, group)
+        _all_to_all(torch.zeros_like(outputs), send_splits, recv_splits, group)  # noqa: F405
         return local
 
     @staticmethod
     def backward(ctx, grad):
         send_splits, recv_splits = ctx.splits
-        back = _reference._all_to_all(grad, recv_splits, send_splits, ctx.group)
+        back = _all_to_all(grad, recv_splits, send_splits, ctx.group)  # noqa: F405
         return back, None, None, None, None
 
 
