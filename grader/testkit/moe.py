@@ -278,20 +278,24 @@ def rows_problem(case: Case, events: list[Event], expected: list[list[Tensor]]) 
 
 def messages_problem(sends: list[Event], expected: list[list[Tensor]], peer: int) -> str | None:
     """Why the token rows a rank sent rank ``peer`` as messages (its own all-to-all from
-    ``send``/``recv``: ``sends``, its messages of floating-point data to that rank) do not
-    carry, all passes together, the values :func:`rows_carried` computed for that rank, as a
-    multiset; or None."""
+    ``send``/``recv``: ``sends``, its messages of floating-point data to that rank, in the order
+    it posted them) do not carry, pass by pass (:data:`ROW_PASSES`, one after the other),
+    the values :func:`rows_carried` computed for that rank, each pass as a multiset; or None."""
     values = [carried(e) for e in sends]
-    got = torch.cat(values) if values else torch.zeros(0, dtype=torch.float64)
-    want = torch.cat([to_each[peer] for to_each in expected])
-    if same_values(got, want):
-        return None
-    return (
-        f"its messages to rank {peer} carried {got.numel()} values that are not what this "
-        "rank owes it: the token rows of its pairs routed to that rank's experts, its experts' "
-        "outputs for that rank's rows, and backward's gradients of both (the broker's record "
-        "of what they carried, compared as a multiset)"
-    )
+    stream = torch.cat(values) if values else torch.zeros(0, dtype=torch.float64)
+    start = 0
+    for k, to_each in enumerate(expected):
+        want = to_each[peer]
+        got, start = stream[start : start + want.numel()], start + want.numel()
+        if not same_values(got, want):
+            return (
+                f"its {ROW_PASSES[k]} messages to rank {peer} carried {got.numel()} values "
+                f"that are not {WHAT_ROWS[k]} (the broker's record of what its messages "
+                "carried, in the order it sent them, compared as a multiset)"
+            )
+    if start < len(stream):
+        return f"it sent rank {peer} {len(stream) - start} values more than the four passes owe it"
+    return None
 
 
 def same_values(got: Tensor, want: Tensor) -> bool:

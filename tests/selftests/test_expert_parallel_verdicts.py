@@ -201,5 +201,7 @@ def test_a_combine_of_zeros_in_its_own_messages_earns_no_communication_points(gr
     failed, _ = verdicts(graded, 2)
     assert failed == {n for n in ALL if n.startswith("communication")}
     message = graded.message("communication[capacity_factor=None]", 2)
-    assert ": its messages to rank " in message
-    assert " values that are not what this rank owes it: " in message
+    assert ": its combine messages to rank " in message
+    assert " values that are not its experts' outputs for the rows that rank dispatched " in (
+        message
+    )
