@@ -6,8 +6,9 @@ function of the submission (``collectives.all_reduce``) or a scenario of the
 grader's (``data_parallel.train``, in :mod:`grader.scenarios`, which drives
 the student's classes), on arguments the grader made. It sends back what
 the call returned and the caller's own argument objects after the call. A test's first call
-imports the submission anew, so that nothing its modules keep (a global, a
-class attribute, a cache) passes from one test to the next. It
+starts the submission afresh (:mod:`grader.rank.fresh`): its modules are
+imported anew, so that nothing they keep (a global, a class attribute, a
+cache) passes from one test to the next. It
 decides nothing: it holds no expected value, no seed and no clock that
 counts, and whatever it says is checked by the trusted side.
 """
@@ -28,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from grader import protocol, wire
-from grader.rank import backend, frames
+from grader.rank import backend, frames, fresh
 from grader.rank.link import BrokerLink
 from grader.wire import Frame
 
@@ -50,13 +51,14 @@ def main(socket_path: str, import_dir: Path) -> int:
     # collector leaves them alone (they live as long as the process anyway).
     gc.collect()
     gc.freeze()
+    pristine = fresh.Pristine.now()
     link.post(protocol.HELLO, rank=rank)
     while (frame := link.calls.get()) is not None:
         size = frame.header.get("world_size", world_size)
         if size != dist.get_world_size():
             _form_group(rank, size)
         if frame.header.get("fresh"):
-            _forget_submission(import_dir)
+            pristine.restore(import_dir)
         _run_call(link, frame, device)
     return 0
 
@@ -69,20 +71,6 @@ def _form_group(rank: int, world_size: int) -> None:
     dist.init_process_group(
         backend.BACKEND_NAME, store=dist.HashStore(), rank=rank, world_size=world_size
     )
-
-
-def _forget_submission(import_dir: Path) -> None:
-    """A test begins: drop every module of the submission (the ``assignments`` package, and
-    anything else imported from the staged files), so that the test's first call imports
-    them anew."""
-    staged = str(import_dir.resolve()) + os.sep
-    for name, module in list(sys.modules.items()):
-        try:
-            where = str(getattr(module, "__file__", None) or "")
-        except Exception:  # a module object of the student's making: dropped too
-            where = staged
-        if name == "assignments" or name.startswith("assignments.") or where.startswith(staged):
-            del sys.modules[name]
 
 
 def _device(rank: int) -> torch.device:

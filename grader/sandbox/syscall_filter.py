@@ -47,9 +47,10 @@ without ``CLONE_THREAD``             (``grader/broker/accounting.py``) counts it
 The program is compiled with libseccomp (the system's ``libseccomp2``) through its Python
 bindings: Debian's ``python3-seccomp`` (``import seccomp``) or PyPI's ``pyseccomp``, a ctypes
 binding with the same API. Only the native architecture is allowed: a system call through
-another ABI (i386's ``int 0x80`` on x86-64) kills the process. Bubblewrap applies the
-program (``--seccomp FD``) last, after building the namespaces; the ``uid`` level loads it
-in the rank's process before the exec. A student's own run at ``none`` needs none of this.
+another ABI (i386's ``int 0x80``, or x32's, on x86-64) kills the whole process. Bubblewrap
+applies the program (``--seccomp FD``) last, after building the namespaces; the ``uid`` level
+loads it in the rank's process before the exec. A student's own run at ``none`` needs none of
+this.
 """
 
 from __future__ import annotations
@@ -146,6 +147,9 @@ def _build() -> object:
     seccomp = _binding()
     native = seccomp.system_arch()
     syscall_filter = seccomp.SyscallFilter(seccomp.ALLOW)
+    # Another ABI's call ends the whole process (libseccomp's default ends the calling thread
+    # alone, and a rank would hang on with its other threads).
+    syscall_filter.set_attr(seccomp.Attr.ACT_BADARCH, seccomp.KILL_PROCESS)
     for action, name, conditions in _rules(seccomp):
         if seccomp.resolve_syscall(native, name) < 0:  # not on this architecture
             continue

@@ -26,7 +26,7 @@ from grader import sandbox
 from grader.sandbox import Level, Sandbox, SandboxError, identity
 
 PROBE = r"""
-import ctypes, fcntl, json, os, socket, sys, time
+import ctypes, fcntl, json, os, socket, subprocess, sys, time
 mode, token, repo, port, sock = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5]
 
 def attempt(action):
@@ -55,6 +55,11 @@ def syscall(number, *args):
     if libc.syscall(number, *args) < 0:
         raise OSError(ctypes.get_errno(), os.strerror(ctypes.get_errno()))
 
+def fork():
+    if os.fork() == 0:  # where a child is allowed at all, it leaves at once
+        os._exit(0)
+    os.wait()
+
 def fill(path, megabytes):
     with open(path, "wb") as f:
         for _ in range(megabytes):
@@ -74,6 +79,8 @@ KERNEL = {  # channels no namespace separates: the seccomp filter refuses each
     "shmget": lambda: syscall(29, 0, 4096, 0o1600),  # IPC_PRIVATE | IPC_CREAT
     "unshare": lambda: syscall(272, 0x10000000),  # CLONE_NEWUSER
     "thread": lambda: __import__("threading").Thread(target=int).start(),  # clone3 falls back
+    "fork": lambda: fork(),
+    "spawn": lambda: subprocess.run([sys.executable, "-c", "pass"]) and None,  # vfork's clone
 }
 
 if mode == "locks":
@@ -101,6 +108,10 @@ elif mode.startswith("probe"):
         "caps": [l.split()[1] for l in open("/proc/self/status") if l.startswith("CapEff")][0],
         "leaked": "GRADER_TEST_SECRET" in os.environ,
     }), flush=True)
+elif mode == "x32":  # a system call through another ABI, beside a second thread
+    __import__("threading").Thread(target=time.sleep, args=(30,)).start()
+    libc.syscall(39 | 0x40000000)  # getpid, as x32 numbers it
+    print("survived", flush=True)
 elif mode == "daemon":
     try:
         child = os.fork()
@@ -117,6 +128,7 @@ elif mode == "daemon":
         os._exit(0)
     if child > 0:
         os.wait()
+    print("running", flush=True)  # the probe is up, whatever became of its daemon
     time.sleep(60)
 """
 

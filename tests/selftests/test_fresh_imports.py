@@ -1,11 +1,12 @@
-"""Each test imports the submission anew (``grader/rank/worker.py``): nothing its modules keep
-passes from one test to the next, so a grade never depends on which tests ran before it.
+"""Each test starts the submission afresh (``grader/rank/fresh.py``): nothing it keeps in its
+modules, the import system or the builtins passes from one test to the next, and its random
+draws are the same in every test, so a grade never depends on which tests ran before it.
 
 One job of ranks serves every test of a grading; a world serves one test, and its first call
-drops every module of the submission on every rank before it runs. Within a test, the
-modules keep their state from call to call, as in any program. What lies outside the
-submission's modules (here, a mark on ``torch``) is not reset: a rank's process lives for
-the whole grading.
+puts every rank back as it was before the submission first ran. Within a test, the
+submission keeps its state from call to call, as in any program. What lies outside (here, a
+mark on ``torch``) is not put back: a rank's process lives for the whole grading, and only a
+submission set on keeping state reaches there.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from grader.launch.job import job_settings
 from grader.launch.world import CallLimits, RankPool, World
 
 CALLS = "collectives.calls_since_import"
+FIRST, SECOND = [1] * 5, [2] * 5  # each place's count of calls, in a test's first two
 
 
 @pytest.fixture(scope="module")
@@ -32,15 +34,18 @@ def pool(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RankPool]:
     pool.close()
 
 
-def test_each_test_imports_the_submission_and_its_helpers_anew(pool: RankPool) -> None:
+def test_each_test_starts_the_submission_afresh(pool: RankPool) -> None:
     first = World(2, pool, CallLimits(timeout=60))
-    assert first.call(CALLS, [()] * 2).returned == [[1, 1, False]] * 2
-    assert first.call(CALLS, [()] * 2).returned == [[2, 2, True]] * 2  # within a test: kept
+    (counts, draws, marked), _ = first.call(CALLS, [()] * 2).returned
+    assert (counts, marked) == (FIRST, False)
+    (counts, later_draws, marked), _ = first.call(CALLS, [()] * 2).returned
+    assert (counts, marked) == (SECOND, True)  # within a test: kept
+    assert later_draws != draws
     second = World(2, pool, CallLimits(timeout=60))  # the next test, on the same ranks
-    assert second.call(CALLS, [()] * 2).returned == [[1, 1, True]] * 2
+    assert second.call(CALLS, [()] * 2).returned[0] == [FIRST, draws, True]
 
 
-def test_a_test_at_another_world_size_imports_anew_too(pool: RankPool) -> None:
+def test_a_test_at_another_world_size_starts_afresh_too(pool: RankPool) -> None:
     World(2, pool, CallLimits(timeout=60)).call(CALLS, [()] * 2)
     alone = World(1, pool, CallLimits(timeout=60))
-    assert alone.call(CALLS, [()]).returned[0][:2] == [1, 1]
+    assert alone.call(CALLS, [()]).returned[0][0] == FIRST

@@ -12,6 +12,7 @@ import dataclasses
 import json
 import os
 import re
+import select
 import shutil
 import signal
 import socket
@@ -118,14 +119,18 @@ def test_uid_level_confines_by_permissions(world: World) -> None:
     assert seen["write_tmp"] == "ok"
 
 
-@x86_64
-@pytest.mark.parametrize(
+#: The levels that sandbox a rank, each with the seccomp filter.
+sandboxed_levels = pytest.mark.parametrize(
     "level",
     [
         pytest.param(Level.NAMESPACES, marks=needs_namespaces),
         pytest.param(Level.UID, marks=needs_uid),
     ],
 )
+
+
+@x86_64
+@sandboxed_levels
 def test_kernel_objects_are_refused_and_limits_hold(world: World, level: Level) -> None:
     """The seccomp filter's channels are closed at both levels (syscall_filter's list), and
     a rank cannot fill more than its scratch nor open more files than its cap."""
@@ -135,12 +140,24 @@ def test_kernel_objects_are_refused_and_limits_hold(world: World, level: Level) 
     code, out, err = world.run(box, [*world.argv("kernel", python_for(uid)), "8", "64"])
     assert code == 0, err
     seen = json.loads(out)
-    refused = {"lockf", "flock", "add_key", "keyctl", "ptrace", "shmget", "unshare"}
+    refused = {"lockf", "flock", "add_key", "keyctl", "ptrace", "shmget", "unshare", "fork"}
+    refused |= {"spawn"}  # a program started: vfork's clone, then exec
     assert {k: seen[k] for k in refused} == dict.fromkeys(refused, "PermissionError")
     assert seen["thread"] == "ok"  # clone3's ENOSYS: the C library falls back to clone
     assert seen["fill_scratch"] == "OSError" and seen["open_files"] == "OSError"
     big = world.base / "scratch" / "big.bin"
     assert not big.exists() if level is Level.NAMESPACES else big.stat().st_size <= 8 << 20
+
+
+@x86_64
+@sandboxed_levels
+def test_a_call_through_another_abi_kills_the_whole_rank(world: World, level: Level) -> None:
+    """Not only the calling thread: a rank with another thread would otherwise hang on."""
+    uid = free_uid() if level is Level.UID else sandbox.NOBODY
+    box = world.sandbox(level, uid=uid, gid=uid)
+    code, out, err = world.run(box, world.argv("x32", python_for(uid)), timeout=20)
+    assert "survived" not in out
+    assert code == 128 + signal.SIGSYS, (code, err)
 
 
 @x86_64
@@ -158,13 +175,7 @@ def test_none_level_runs_as_is(world: World) -> None:
     assert seen["write_scratch"] == "ok" and seen["unix"] == "pong:ping"
 
 
-@pytest.mark.parametrize(
-    "level",
-    [
-        pytest.param(Level.NAMESPACES, marks=needs_namespaces),
-        pytest.param(Level.UID, marks=needs_uid),
-    ],
-)
+@sandboxed_levels
 def test_torch_imports_at_the_default_cap(world: World, level: Level) -> None:
     uid = 65534 if level is Level.NAMESPACES else free_uid()
     if level is Level.UID and python_for(uid) != sys.executable:
@@ -180,9 +191,12 @@ def test_torch_imports_at_the_default_cap(world: World, level: Level) -> None:
 def test_namespaces_daemon_dies_with_the_parent(world: World) -> None:
     proc = world.launch(world.sandbox(Level.NAMESPACES), world.argv("daemon"))
     try:
-        # The scratch is the sandbox's own tmpfs: count the processes (the stand-in torchrun,
-        # the wrapper, bwrap, the probe; the daemon it tries to start is refused).
-        assert wait_until(lambda: len(pids_with(world.token)) >= 4, 30)
+        # The probe says when it runs (its scratch is the sandbox's own tmpfs); killed earlier,
+        # torchrun would die while bubblewrap still builds the sandbox. The daemon the probe
+        # tries to start is refused.
+        assert select.select([proc.stdout], [], [], 30)[0], "the probe never started"
+        assert proc.stdout.readline().strip() == "running"
+        assert len(pids_with(world.token)) >= 4  # torchrun's stand-in, the wrapper, bwrap, it
         os.kill(proc.pid, signal.SIGKILL)  # torchrun dies
         assert wait_until(lambda: not pids_with(world.token), 5), pids_with(world.token)
     finally:

@@ -1,6 +1,15 @@
-"""A submission that keeps state in its modules between calls (``test_fresh_imports.py``):
-a global of its own, one of a helper module, and a mark on ``torch`` itself. Each test's
-first call must find the first two as a fresh import leaves them."""
+"""A submission that keeps state between calls wherever it easily can (``test_fresh_imports.py``):
+a global of its own, one of a helper module, a module of no file in ``sys.modules``, its helper
+loaded again under another name and path, an attribute of ``builtins``, its draws from the
+random generators, a finder that would hand this very module back to the next import, and a
+mark on ``torch`` itself. Each test's first call must find all but the last as on a fresh
+start."""
+
+import builtins
+import importlib.util
+import random
+import sys
+import types
 
 import torch
 
@@ -9,12 +18,52 @@ from assignments import helper
 _calls = 0
 
 
+class _Keep:
+    """A finder that gives the next import of this module this very module, state and all."""
+
+    def __init__(self, module):
+        self.module = module
+
+    def find_spec(self, name, path=None, target=None):
+        if name == self.module.__name__:
+            return importlib.util.spec_from_loader(name, self)
+        return None
+
+    def create_module(self, spec):
+        return self.module
+
+    def exec_module(self, module):
+        pass
+
+
+sys.meta_path.insert(0, _Keep(sys.modules[__name__]))
+
+
+def _alias():
+    """The helper's file loaded again, as ``helper_alias``, through ``/proc/self/root``."""
+    if "helper_alias" not in sys.modules:
+        spec = importlib.util.spec_from_file_location(
+            "helper_alias", "/proc/self/root" + helper.__file__
+        )
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        sys.modules["helper_alias"] = module
+    return sys.modules["helper_alias"]
+
+
 def calls_since_import():
-    """How many calls this module and its helper saw since they were imported, and whether
-    a mark set on torch (which is never imported anew) is there."""
+    """How many calls each place that keeps state saw, the random draws, and whether the mark
+    set on torch (which is never put back) is there."""
     global _calls
     _calls += 1
     helper.calls += 1
+    kept = sys.modules.setdefault("kept_state", types.ModuleType("kept_state"))
+    kept.calls = getattr(kept, "calls", 0) + 1
+    builtins.kept_calls = getattr(builtins, "kept_calls", 0) + 1
+    alias = _alias()
+    alias.calls += 1
+    counts = [_calls, helper.calls, kept.calls, builtins.kept_calls, alias.calls]
+    draws = [random.random(), float(torch.rand(1))]
     marked = getattr(torch, "_state_between_tests", False)
     torch._state_between_tests = True
-    return [_calls, helper.calls, marked]
+    return [counts, draws, marked]
