@@ -258,20 +258,20 @@ WHAT_ROWS = (
 
 def rows_problem(case: Case, events: list[Event], expected: list[list[Tensor]]) -> str | None:
     """Why a rank's all-to-alls of token rows (dispatch, combine, then their mirrors in
-    backward) do not carry, to each rank, the values :func:`rows_carried` computed, as
-    multisets (sorted: the order within a piece is the rank's choice); or None. A piece of the
-    right size holding anything else is a wrong message."""
+    backward) do not carry, to each rank, the rows :func:`rows_carried` computed, as multisets
+    of rows (:func:`same_rows`: the order of the rows within a piece is the rank's choice); or
+    None. A piece of the right size holding anything else is a wrong message."""
     for k, (event, to_each) in enumerate(zip(events, expected, strict=True)):
         values, start = carried(event), 0
         itemsize = getattr(torch, event.dtype or "float32").itemsize
         for j, (size, want) in enumerate(zip(event.pieces, to_each, strict=True)):
             got, start = values[start : start + size // itemsize], start + size // itemsize
-            if same_values(got, want):
+            if same_rows(got, want):
                 continue
             return (
                 f"its {ROW_PASSES[k]} all-to-all sent rank {j} {got.numel()} values that are "
                 f"not {WHAT_ROWS[k]} (the broker's record of what it carried, compared as a "
-                "multiset)"
+                "multiset of rows)"
             )
     return None
 
@@ -280,27 +280,41 @@ def messages_problem(sends: list[Event], expected: list[list[Tensor]], peer: int
     """Why the token rows a rank sent rank ``peer`` as messages (its own all-to-all from
     ``send``/``recv``: ``sends``, its messages of floating-point data to that rank, in the order
     it posted them) do not carry, pass by pass (:data:`ROW_PASSES`, one after the other),
-    the values :func:`rows_carried` computed for that rank, each pass as a multiset; or None."""
+    the rows :func:`rows_carried` computed for that rank, each pass as a multiset of rows
+    (:func:`same_rows`); or None."""
     values = [carried(e) for e in sends]
     stream = torch.cat(values) if values else torch.zeros(0, dtype=torch.float64)
     start = 0
     for k, to_each in enumerate(expected):
         want = to_each[peer]
         got, start = stream[start : start + want.numel()], start + want.numel()
-        if not same_values(got, want):
+        if not same_rows(got, want):
             return (
                 f"its {ROW_PASSES[k]} messages to rank {peer} carried {got.numel()} values "
                 f"that are not {WHAT_ROWS[k]} (the broker's record of what its messages "
-                "carried, in the order it sent them, compared as a multiset)"
+                "carried, in the order it sent them, compared as a multiset of rows)"
             )
     if start < len(stream):
         return f"it sent rank {peer} {len(stream) - start} values more than the four passes owe it"
     return None
 
 
-def same_values(got: Tensor, want: Tensor) -> bool:
-    """``got`` holds ``want``'s values, in any order, within float32's rounding."""
-    scale = max(1.0, float(want.abs().max()) if want.numel() else 0.0)
-    return got.shape == want.shape and torch.allclose(
-        got.sort().values, want.sort().values, rtol=1e-4, atol=1e-5 * scale
-    )
+def same_rows(got: Tensor, want: Tensor) -> bool:
+    """``got`` holds ``want``'s rows (``D`` values each), in any order, each within float32's
+    rounding: a row is the unit that travels (a token, an expert's output for it, or their
+    gradient), so values regrouped across rows are not the same rows. Each wanted row takes
+    the nearest row of ``got`` not yet taken (two different rows lie far apart)."""
+    if got.numel() != want.numel() or got.numel() % D:
+        return False
+    if not got.numel():
+        return True
+    got, want = got.view(-1, D), want.view(-1, D)
+    tolerance = 1e-5 * max(1.0, float(want.abs().max()))
+    distance = torch.cdist(want, got, p=float("inf"))
+    taken = torch.zeros(len(got), dtype=torch.bool)
+    for i, row in enumerate(want):
+        j = int(distance[i].masked_fill(taken, float("inf")).argmin())
+        if taken[j] or not torch.allclose(got[j], row, rtol=1e-4, atol=tolerance):
+            return False
+        taken[j] = True
+    return True

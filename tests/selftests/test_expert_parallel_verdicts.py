@@ -194,14 +194,24 @@ def test_a_combine_of_zeros_earns_no_communication_points(grade) -> None:
     )
 
 
-def test_a_combine_of_zeros_in_its_own_messages_earns_no_communication_points(grade) -> None:
-    """The same attack through the student's own all-to-all of isend/irecv messages, whose
-    bytes per peer are right: what they carry is compared too."""
-    graded = grade("ep_decoy_combine+ep_own_all_to_all", PART, world_sizes=(2,))
+@pytest.mark.parametrize(
+    "decoy",
+    [
+        "ep_decoy_combine+ep_own_all_to_all",  # zeros, in the student's own messages
+        "ep_decoy_combine+ep_scrambled_combine",  # the outputs' values, not their rows
+        "ep_decoy_combine+ep_own_all_to_all+ep_scrambled_combine",
+    ],
+)
+def test_a_combine_that_carries_no_rows_earns_no_communication_points(grade, decoy) -> None:
+    """The same attack with the combine of the right size carrying zeros through the
+    student's own all-to-all of isend/irecv messages (whose bytes per peer are right), or the
+    outputs' values regrouped so that they are no longer rows (every peer's values sorted)."""
+    graded = grade(decoy, PART, world_sizes=(2,))
     failed, _ = verdicts(graded, 2)
     assert failed == {n for n in ALL if n.startswith("communication")}
     message = graded.message("communication[capacity_factor=None]", 2)
-    assert ": its combine messages to rank " in message
+    how = "messages to rank " if "own_all_to_all" in decoy else "all-to-all sent rank "
+    assert f": its combine {how}" in message
     assert " values that are not its experts' outputs for the rows that rank dispatched " in (
         message
     )
