@@ -120,6 +120,7 @@ def main(job_dir: Path, probe: bool = False) -> int:
         "PYTHONUNBUFFERED": "1",
         "OMP_NUM_THREADS": "1",
         "GRADER_DEVICE": plan.device,
+        "GRADER_SANDBOX": plan.level,  # how the rank words a refused system call
         **STEADY_MALLOC,
     }
     uid = NOBODY if plan.first_uid is None else plan.first_uid + local_rank

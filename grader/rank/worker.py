@@ -15,6 +15,7 @@ counts, and whatever it says is checked by the trusted side.
 
 from __future__ import annotations
 
+import errno
 import gc
 import importlib
 import os
@@ -31,6 +32,7 @@ import torch.distributed as dist
 from grader import protocol, wire
 from grader.rank import backend, frames, fresh
 from grader.rank.link import BrokerLink
+from grader.sandbox import syscall_filter
 from grader.wire import Frame
 
 
@@ -167,7 +169,20 @@ def _message(err: BaseException) -> str:
         return f"{err.msg} ({frames.display_path(err.filename or '?')}, line {err.lineno})"
     if isinstance(err, SystemExit):
         return f"sys.exit({err.code!r}) was called"
+    if _refused_by_sandbox(err):
+        refused = ", ".join(syscall_filter.REFUSED)
+        return f"{text}: the sandbox refuses this system call ({refused}; docs/trust.md says why)"
     return text
+
+
+def _refused_by_sandbox(err: BaseException) -> bool:
+    """A system call's EPERM, in a sandboxed rank, that names no file: the filter's refusal."""
+    return (
+        isinstance(err, PermissionError)
+        and err.errno == errno.EPERM
+        and err.filename is None
+        and os.environ.get("GRADER_SANDBOX", "none") != "none"
+    )
 
 
 def _student_stack(thread_id: int | None) -> list[str]:

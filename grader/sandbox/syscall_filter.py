@@ -85,6 +85,7 @@ _CLONE_NEW = {
 
 #: Refused outright (EPERM), by channel; names this architecture lacks are skipped.
 REFUSED: dict[str, tuple[str, ...]] = {
+    "new processes": ("fork", "vfork"),  # and clone without CLONE_THREAD (_rules)
     "file locks": ("flock",),
     "watching shared files": ("inotify_init", "inotify_init1", "fanotify_init"),
     "keyrings": ("add_key", "keyctl", "request_key"),
@@ -106,7 +107,6 @@ REFUSED: dict[str, tuple[str, ...]] = {
         *("fsopen", "fsconfig", "fsmount", "fspick", "move_mount", "open_tree"),
     ),
     "io_uring": ("io_uring_setup",),
-    "new processes": ("fork", "vfork"),  # and clone without CLONE_THREAD (_rules)
 }
 
 
