@@ -263,6 +263,7 @@ def test_a_gloo_rank_runs_inside_at_the_default_cap(world: World) -> None:
     agent cannot run inside), and its network namespace is its own."""
     job = world.repo / "grader" / "job.py"  # bound in read-only
     job.write_text(GLOO_JOB)
+    # The port is the sandbox's own: its network namespace has nothing else listening.
     env = {"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
     box = world.sandbox(Level.NAMESPACES, memory_bytes=sandbox.DEFAULT_MEMORY, env=env)
     code, out, err = world.run(box, [sys.executable, str(job), world.token], timeout=90)
