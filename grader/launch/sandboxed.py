@@ -101,7 +101,10 @@ STEADY_MALLOC = {"MALLOC_MMAP_THRESHOLD_": str(1 << 30), "MALLOC_TRIM_THRESHOLD_
 
 
 def main(job_dir: Path, probe: bool = False) -> int:
-    die_with(os.getppid())  # torchrun
+    parent = os.getppid()  # torchrun's agent (the grader itself, for a probe)
+    if not probe and not _is_torchrun(parent):
+        return 137  # orphaned before it could watch torchrun: start nothing, as if killed
+    die_with(parent)
     plan = SandboxPlan.read(job_dir)
     rank = int(os.environ["RANK"])
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
@@ -159,6 +162,19 @@ def main(job_dir: Path, probe: bool = False) -> int:
         code = relay.run(plan.job, rank, lambda: last_words(job_dir, rank))
     exit_path(job_dir, rank).write_text(str(code))
     return code if code >= 0 else 128 - code
+
+
+def _is_torchrun(pid: int) -> bool:
+    """Whether ``pid`` is a torchrun agent. A wrapper whose torchrun died before its first
+    line ran was handed to another parent (init, or a subreaper such as systemd's user
+    manager), which would never die with the job; where there is no /proc to tell, it is."""
+    try:
+        command = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return True
+    return b"torch.distributed.run" in command or any(
+        part.endswith(b"torchrun") for part in command[:2]
+    )
 
 
 if __name__ == "__main__":

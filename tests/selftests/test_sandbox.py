@@ -16,6 +16,7 @@ import select
 import shutil
 import signal
 import socket
+import subprocess
 import sys
 import tempfile
 import threading
@@ -24,6 +25,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from runner import REPO
 from sandbox_probe import (
     PROBE,
     World,
@@ -271,3 +273,17 @@ def test_a_gloo_rank_runs_inside_at_the_default_cap(world: World) -> None:
     reports = re.findall(r"rank(\d+) sum (\d+) VmPeak_MiB (\d+)", out)
     assert [(rank, total) for rank, total, _ in reports] == [("0", "1")], out
     print(reports)
+
+
+def test_a_rank_wrapper_whose_torchrun_is_gone_starts_nothing(tmp_path: Path) -> None:
+    """A wrapper orphaned before its first line ran (here: started by this process, not by
+    torchrun, as if torchrun had died and the wrapper been handed to another parent) exits
+    at once, as killed, without reading its job's plan or starting a sandbox."""
+    done = subprocess.run(
+        [sys.executable, "-m", "grader.launch.sandboxed", str(tmp_path)],
+        env={**os.environ, "RANK": "0", "PYTHONPATH": str(REPO)},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert (done.returncode, done.stderr) == (137, "")
