@@ -108,9 +108,12 @@ def test_a_node_that_dies_ends_the_run_and_leaves_nothing(killed: str, tmp_path:
     too, every rank with it, and the student is not blamed: exit status 2."""
     port = _free_port()
     spinning = materialize("coll_faults", tmp_path)
-    node = start_grader(["run", *_nodes(port, 1)])
+    scratch = tmp_path / "tmp"  # where the killed grader's files stay: this test's own
+    scratch.mkdir()
+    env = {"TMPDIR": str(scratch)}
+    node = start_grader(["run", *_nodes(port, 1)], env=env)
     selection = ["collectives", "-k", "scatter", "--world-size", "4", "--submission", str(spinning)]
-    head = start_grader(["run", *selection, *_nodes(port, 0)])
+    head = start_grader(["run", *selection, *_nodes(port, 0)], env=env)
     try:
         started = _when_running([head, node])
         victim, survivor = (head, node) if killed == "node 0" else (node, head)
