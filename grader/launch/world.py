@@ -84,7 +84,7 @@ class World:
         self.size = size
         self.limits = limits
         self._pool = pool
-        # A world serves one test: its first call imports the submission anew on every rank.
+        # A world serves one test: its first call starts the submission afresh on every rank.
         self._fresh = True
 
     def call(
@@ -152,7 +152,7 @@ class RankPool:
         fresh: bool = False,
     ) -> CallResult:
         """Run ``target`` on the first ``world_size`` ranks; ``fresh``: a test's first call,
-        for which every rank imports the submission anew."""
+        for which every rank starts the submission afresh (:mod:`grader.rank.fresh`)."""
         part = target.split(".")[0]
         if part in self.poisoned:
             raise type(self.poisoned[part])(f"not run: {self.poisoned[part]} (in an earlier test)")

@@ -60,7 +60,7 @@ class Pristine:
         current.update(self.builtins)
         staged = os.path.realpath(import_dir) + os.sep
         tops = {name.partition(".")[0] for name in self.modules}
-        for name in [n for n in list(sys.modules) if n not in self.modules]:
+        for name in sys.modules.keys() - self.modules:
             if _submissions(name, sys.modules.get(name), staged, tops):
                 sys.modules.pop(name, None)
         random.seed(SEED)

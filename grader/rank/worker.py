@@ -5,12 +5,11 @@ backend, and then runs the calls the grader sends, one after the other: a
 function of the submission (``collectives.all_reduce``) or a scenario of the
 grader's (``data_parallel.train``, in :mod:`grader.scenarios`, which drives
 the student's classes), on arguments the grader made. It sends back what
-the call returned and the caller's own argument objects after the call. A test's first call
-starts the submission afresh (:mod:`grader.rank.fresh`): its modules are
-imported anew, so that nothing they keep (a global, a class attribute, a
-cache) passes from one test to the next. It
-decides nothing: it holds no expected value, no seed and no clock that
-counts, and whatever it says is checked by the trusted side.
+the call returned and the caller's own argument objects after the call. A
+test's first call starts the submission afresh (:mod:`grader.rank.fresh`), so
+that nothing it kept (a global, a class attribute, a cache) passes from one
+test to the next. It decides nothing: it holds no expected value, no seed and
+no clock that counts, and whatever it says is checked by the trusted side.
 """
 
 from __future__ import annotations
