@@ -68,9 +68,24 @@ def test_readme_installs_cpu_torch_before_the_project_and_links_docs():
     readme = (REPO / "README.md").read_text()
     cpu = readme.index("pip install torch --index-url https://download.pytorch.org/whl/cpu")
     assert cpu < readme.index("pip install -e .")
-    assert "../shared" not in readme  # a clone has no shared/ folder
     for doc in ("student-api.md", "submission.md", "commands.md", "results.md"):
         assert f"docs/{doc}" in readme and (REPO / "docs" / doc).is_file()
+
+
+def test_the_docs_point_only_inside_a_clone():
+    """A clone holds the repository alone: every link of the README and docs/ leads to a file
+    in it, and a path above it appears only as what a command writes to (`grader release
+    ../course-2025`), never as something to read."""
+    for page in [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]:
+        text = page.read_text()
+        for target in re.findall(r"\]\(([^)#\s]+)", text):
+            if "://" in target or target.startswith("mailto:"):
+                continue
+            found = (page.parent / target).resolve()
+            assert found.is_relative_to(REPO) and found.exists(), (page.name, target)
+        commands = " ".join(re.findall(r"`grader [^`]*`", text))
+        for above in re.findall(r"\.\./[^\s`)]*", text):
+            assert above in commands, (page.name, above)
 
 
 def test_the_code_is_ruff_clean():
