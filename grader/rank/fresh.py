@@ -18,8 +18,9 @@ import importlib
 import os
 import random
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import torch
@@ -32,15 +33,21 @@ class Pristine:
     """The import system and the builtins of a rank before the submission first ran."""
 
     modules: frozenset[str]
+    packages: frozenset[str]  # the top-level names of those modules
     meta_path: tuple[Any, ...]
     path_hooks: tuple[Any, ...]
     path: tuple[str, ...]
     builtins: dict[str, Any]
+    # Modules imported since then and judged not the submission's (torch imports thousands
+    # lazily, torch._dynamo at a first optimizer), by name and object: each is judged once
+    # (a realpath each), and another object put in its place is judged anew.
+    libraries: dict[str, ModuleType] = field(default_factory=dict)
 
     @classmethod
     def now(cls) -> Pristine:
         return cls(
             frozenset(sys.modules),
+            frozenset(name.partition(".")[0] for name in sys.modules),
             tuple(sys.meta_path),
             tuple(sys.path_hooks),
             tuple(sys.path),
@@ -59,15 +66,19 @@ class Pristine:
             del current[name]
         current.update(self.builtins)
         staged = os.path.realpath(import_dir) + os.sep
-        tops = {name.partition(".")[0] for name in self.modules}
         for name in sys.modules.keys() - self.modules:
-            if _submissions(name, sys.modules.get(name), staged, tops):
+            module = sys.modules.get(name)
+            if name in self.libraries and self.libraries[name] is module:
+                continue
+            if _submissions(name, module, staged, self.packages):
                 sys.modules.pop(name, None)
+            elif isinstance(module, ModuleType):
+                self.libraries[name] = module
         random.seed(SEED)
         torch.manual_seed(SEED)
 
 
-def _submissions(name: str, module: Any, staged: str, tops: set[str]) -> bool:
+def _submissions(name: str, module: Any, staged: str, tops: frozenset[str]) -> bool:
     """Whether a module imported since :meth:`Pristine.now` is the submission's: its package,
     a file of the staged copy under any name or path, or a module of no file outside every
     package the rank had before."""

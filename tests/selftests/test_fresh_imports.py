@@ -49,3 +49,14 @@ def test_a_test_at_another_world_size_starts_afresh_too(pool: RankPool) -> None:
     World(2, pool, CallLimits(timeout=60)).call(CALLS, [()] * 2)
     alone = World(1, pool, CallLimits(timeout=60))
     assert alone.call(CALLS, [()]).returned[0][0] == FIRST
+
+
+def test_a_module_put_in_place_of_a_library_one_is_dropped(pool: RankPool) -> None:
+    """The worker judges each library module once; one put in its place is judged anew."""
+    first = World(2, pool, CallLimits(timeout=60))
+    assert first.call("collectives.import_library", [()] * 2).returned == [False, False]
+    second = World(2, pool, CallLimits(timeout=60))  # its start finds the library's module
+    assert second.call("collectives.in_place_of_library", [()] * 2).returned == [1, 1]
+    assert second.call("collectives.in_place_of_library", [()] * 2).returned == [2, 2]
+    third = World(2, pool, CallLimits(timeout=60))
+    assert third.call("collectives.in_place_of_library", [()] * 2).returned == [1, 1]

@@ -1,9 +1,9 @@
 """A submission that keeps state between calls wherever it easily can (``test_fresh_imports.py``):
 a global of its own, one of a helper module, a module of no file in ``sys.modules``, its helper
 loaded again under another name and path, an attribute of ``builtins``, its draws from the
-random generators, a finder that would hand this very module back to the next import, and a
-mark on ``torch`` itself. Each test's first call must find all but the last as on a fresh
-start."""
+random generators, a finder that would hand this very module back to the next import, its
+helper put in the place of a library module that an earlier test imported, and a mark on
+``torch`` itself. Each test's first call must find all but the last as on a fresh start."""
 
 import builtins
 import importlib.util
@@ -67,3 +67,26 @@ def calls_since_import():
     marked = getattr(torch, "_state_between_tests", False)
     torch._state_between_tests = True
     return [counts, draws, marked]
+
+
+def import_library():
+    """Import a library module (``colorsys``) no rank has at its start; say whether it was
+    there already."""
+    there = "colorsys" in sys.modules
+    import colorsys  # noqa: F401
+
+    return there
+
+
+def in_place_of_library():
+    """The helper's file loaded again as ``colorsys``, in the place of the library module, and
+    the calls it has seen: a module judged not the submission's at one test's start, then
+    replaced, must be judged anew at the next."""
+    module = sys.modules.get("colorsys")
+    if not hasattr(module, "calls"):
+        spec = importlib.util.spec_from_file_location("colorsys", helper.__file__)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        sys.modules["colorsys"] = module
+    module.calls += 1
+    return module.calls
