@@ -27,8 +27,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import queue
 import resource
+import shlex
 import signal
 import statistics
 import subprocess
@@ -51,18 +53,30 @@ dist.destroy_process_group()
 
 MEMORY_EVERY = 1.0  # seconds between two samples: a sample reads a few ms per process
 
+# Every command runs this checkout's grader, installed or not.
+ENVIRONMENT = {
+    **os.environ,
+    "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+}
 
-def timed(command: list[str], cwd: Path) -> tuple[float, float]:
+
+def timed(command: list[str], cwd: Path, status: int = 0) -> tuple[float, float]:
     """Wall seconds of ``command`` and the peak memory of its whole process tree (MB, sampled
     every :data:`MEMORY_EVERY` s: what a container's memory limit must allow). Each process
     counts its proportional set (``Pss``: a page shared by n processes counts 1/n in each),
-    as a container's limit counts each page once; its resident set where that cannot be read."""
+    as a container's limit counts each page once; its resident set where that cannot be read.
+    A command that ends with another exit status than ``status`` measured nothing: the
+    benchmark stops with its last lines."""
     from grader.launch.job import descendants
 
     start = time.monotonic()
     process = subprocess.Popen(
-        command, cwd=cwd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
-    )
+        command, cwd=cwd, env=ENVIRONMENT,
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    errors: list[str] = []
+    reader = threading.Thread(target=lambda: errors.extend(process.stderr), daemon=True)
+    reader.start()
     peak, sampled = 0, 0.0
     while process.poll() is None:
         if time.monotonic() - sampled >= MEMORY_EVERY:
@@ -70,7 +84,14 @@ def timed(command: list[str], cwd: Path) -> tuple[float, float]:
             total = sum(_memory(pid) for pid in [process.pid, *descendants(process.pid)])
             peak = max(peak, total)
         time.sleep(0.05)
-    return time.monotonic() - start, peak / 2**20
+    seconds = time.monotonic() - start
+    reader.join()
+    if process.returncode != status:
+        sys.exit(
+            f"{shlex.join(command)} exited {process.returncode}, not {status}:\n"
+            + "".join(errors[-5:])
+        )
+    return seconds, peak / 2**20
 
 
 def _memory(pid: int) -> int:
@@ -91,8 +112,9 @@ def watch_regrades(command: list[str], source: Path, edits: int, editing: float)
     """Seconds from each save of ``source`` to the end of the summary it causes, in
     ``grader run --watch`` (``command``)."""
     process = subprocess.Popen(
-        command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
-    )
+        command, cwd=REPO, env=ENVIRONMENT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+        text=True,
+    )  # fmt: skip
     lines: queue.Queue[tuple[float, str]] = queue.Queue()
 
     def read() -> None:
@@ -176,24 +198,24 @@ def main() -> None:
         if args.loop_only:
             return
         deadlocks = materialize("coll_deadlock_all", work)
-        runs = {
-            "torchrun: 4 ranks, init + barrier + destroy": barrier_job(work, 4),
-            "grader run --submission reference (all parts)": [
+        runs = {  # each command and the exit status it must end with
+            "torchrun: 4 ranks, init + barrier + destroy": (barrier_job(work, 4), 0),
+            "grader run --submission reference (all parts)": ([
                 *grader, "run", "--submission", str(REPO / "reference"),
                 "--results", str(work / "reference.json"),
-            ],
-            "grader run, the untouched stubs (all parts)": [
+            ], 0),
+            "grader run, the untouched stubs (all parts)": ([
                 *grader, "run", "--submission", str(REPO / "assignments"),
                 "--results", str(work / "stubs.json"),
-            ],
-            "grader run collectives, every collective deadlocks": [
+            ], 1),
+            "grader run collectives, every collective deadlocks": ([
                 *grader, "run", "collectives", "--submission", str(deadlocks),
                 "--results", str(work / "deadlocks.json"),
-            ],
+            ], 1),
         }  # fmt: skip
         medians, peaks = {}, {}
-        for label, command in runs.items():
-            measured = [timed(command, work) for _ in range(args.repeats)]
+        for label, (command, status) in runs.items():
+            measured = [timed(command, work, status) for _ in range(args.repeats)]
             medians[label] = statistics.median(m[0] for m in measured)
             peaks[label] = max(m[1] for m in measured)
         print_ratios(medians, peaks)
