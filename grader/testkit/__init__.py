@@ -16,7 +16,13 @@ from grader.course.options import TestOptions
 from grader.judge.call import CallResult
 from grader.judge.verdict import Cell, Ring, RingCell, Work, backward, forward
 from grader.launch.world import World
-from grader.testkit.compare import check_close, check_unchanged, on_every_rank, require
+from grader.testkit.compare import (
+    check_close,
+    check_unchanged,
+    on_every_rank,
+    require,
+    sums_in_float64,
+)
 from grader.testkit.data import generator, rank_tensor
 from grader.testkit.information import check_informed
 from grader.testkit.record import TestRecord
@@ -45,4 +51,5 @@ __all__ = [
     "rank_tensor",
     "require",
     "stage_timing",
+    "sums_in_float64",
 ]

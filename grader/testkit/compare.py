@@ -10,7 +10,7 @@ what each rank contributed.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -50,6 +50,19 @@ def tolerance(
     return FLOAT_TOLERANCE_ULPS * max(terms, 1) * eps * magnitude + torch.finfo(dtype).tiny
 
 
+def sums_in_float64(terms: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The sum of ``terms`` in float64, and the sum of their absolute values (the
+    ``magnitude`` that :func:`check_close` bounds a sum's rounding by), added one term at a
+    time into one float64 accumulator each, not stacked first: for the 4 MB inputs of a
+    performance test that is 6 ms instead of 35."""
+    total = terms[0].to(torch.float64, copy=True)  # a copy: the terms are added into it in place
+    magnitude = terms[0].abs().to(torch.float64)
+    for term in terms[1:]:
+        total.add_(term)
+        magnitude.add_(term.abs())
+    return total, magnitude
+
+
 def check_close(
     actual: torch.Tensor,
     expected: torch.Tensor,
@@ -74,6 +87,8 @@ def check_close(
         )
     if actual.dtype != expected.dtype:
         raise WrongResult(f"{what}: expected dtype {expected.dtype}, got {actual.dtype}")
+    if torch.equal(actual.detach().cpu(), expected.detach().cpu()):
+        return  # the common case, and cheap: no NaN is equal to anything, so none passes here
     got = actual.detach().cpu().reshape(-1).double()
     want = expected.detach().cpu().reshape(-1).double()
     scale = magnitude.detach().cpu().reshape(-1).double() if magnitude is not None else want.abs()

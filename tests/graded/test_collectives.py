@@ -25,6 +25,7 @@ from grader.testkit import (
     check_informed,
     check_unchanged,
     rank_tensor,
+    sums_in_float64,
 )
 
 DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.int64)
@@ -73,11 +74,11 @@ def nbytes(*tensors: torch.Tensor) -> int:
 
 
 def total(tensors: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
-    return torch.stack([t.double() for t in tensors]).sum(0).to(dtype)
+    return sums_in_float64(tensors)[0].to(dtype)
 
 
 def magnitude(tensors: list[torch.Tensor]) -> torch.Tensor:
-    return torch.stack([t.double().abs() for t in tensors]).sum(0)
+    return sums_in_float64(tensors)[1]
 
 
 def sum_mistakes(parts: list[torch.Tensor], expected: torch.Tensor, who: str = "rank") -> dict:

@@ -12,7 +12,7 @@ import re
 import pytest
 import torch
 
-from grader.testkit.compare import check_close, check_unchanged, format_pair
+from grader.testkit.compare import check_close, check_unchanged, format_pair, sums_in_float64
 
 
 def failure(*args: object, **kwargs: object) -> str:
@@ -104,3 +104,20 @@ def test_check_unchanged_shows_distinct_numbers() -> None:
         check_unchanged(original + 1e-12, original, "input")
     was, now = re.search(r"was (\S+), now (\S+)$", str(raised.value)).groups()  # type: ignore[union-attr]
     assert was != now
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.int64])
+def test_sums_in_float64_leave_the_terms_as_they_are(dtype: torch.dtype) -> None:
+    terms = [torch.tensor([1, -2, 3]).to(dtype), torch.tensor([4, 5, -6]).to(dtype)]
+    before = [t.clone() for t in terms]
+    total, magnitude = sums_in_float64(terms)
+    assert total.tolist() == [5.0, 3.0, -3.0] and magnitude.tolist() == [5.0, 7.0, 9.0]
+    assert total.dtype == magnitude.dtype == torch.float64
+    for term, original in zip(terms, before, strict=True):
+        assert torch.equal(term, original)  # a float64 term is no copy of itself
+
+
+def test_equal_values_pass_but_a_nan_never_does() -> None:
+    check_close(torch.tensor([0.0, 1.0]), torch.tensor([-0.0, 1.0]), "signed zero")
+    nan = torch.tensor([float("nan")])
+    assert "nan" in failure(nan.clone(), nan, "nan").lower()
