@@ -57,6 +57,13 @@ class GradingPlugin:
         self._running: _Running | None = None
         self.grader_failure: str | None = None
 
+    def pytest_configure(self, config: pytest.Config) -> None:
+        # A verdict is made from the exception itself (_verdict_of_failure), never from
+        # pytest's text of a failure. The long form of that text parses the source of every
+        # frame of the traceback: some 60 ms a failed test, most of a failing submission's
+        # grading. Its "no" form is the exception's own line.
+        config.option.tbstyle = "no"
+
     # -- fixtures of the graded tests ----------------------------------------------------
 
     @pytest.fixture
