@@ -208,7 +208,9 @@ class Session:
         pool.start_ahead()  # its ranks import torch while pytest collects the graded tests
         reference = self._reference_pool(settings, size)
         if reference is not None and any(t.kind == TIMED for t in tests):
-            reference.start_ahead()  # else the first timed test waits for its torch imports
+            # Else the first timed test waits for its torch imports; not before the
+            # submission's ranks have theirs, which the first test waits for.
+            pool.when_started(reference.start_ahead)
         try:
             outcome = _run_tests(self.config, tests, pool, reference, on_start, on_verdict)
         finally:

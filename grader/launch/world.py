@@ -18,7 +18,7 @@ import itertools
 import shutil
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -136,6 +136,7 @@ class RankPool:
         self.settings = settings
         self._job: _Job | None = None
         self._starting: _Job | None = None  # started ahead, its ranks not yet all connected
+        self._when_started: list[Callable[[], None]] = []
         # A part whose import ends or hangs the process is not imported again.
         self.poisoned: dict[str, failures.RankFailure] = {}
 
@@ -196,6 +197,12 @@ class RankPool:
         if self._job is None and self._starting is None:
             self._starting = self._launch_job()
 
+    def when_started(self, then: Callable[[], None]) -> None:
+        """Run ``then`` once this pool's first job has every rank connected (or could not
+        start): another job started then leaves this one's ranks the CPUs while they import
+        torch, which the first call waits for."""
+        self._when_started.append(then)
+
     def _running_job(self) -> _Job:
         if self._job is not None and self._job.job.running() and not self._job.broker.dead():
             return self._job
@@ -206,6 +213,10 @@ class RankPool:
         except failures.GraderFailure:
             # once more, in a fresh job: a busy machine is no fault
             self._job = self._connected(self._launch_job())
+        finally:
+            waiting, self._when_started = self._when_started, []
+            for then in waiting:
+                then()
         return self._job
 
     def _launch_job(self) -> _Job:
