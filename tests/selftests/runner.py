@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -103,12 +104,21 @@ class Graded:
         return [e["name"] for e in self.tests]
 
 
+def ends_with_the_tests(command: list[str]) -> list[str]:
+    """``command``, sent SIGTERM when the test process that starts it dies (``setpriv
+    --pdeathsig``): a suite stopped by a signal runs no teardown, and the grader and the
+    SLURM daemons answer SIGTERM by ending what they started."""
+    setpriv = shutil.which("setpriv")
+    return [setpriv, "--pdeathsig", "TERM", "--", *command] if setpriv else command
+
+
 def start_grader(
     args: list[str], cwd: Path = REPO, env: dict[str, str] | None = None
 ) -> subprocess.Popen[str]:
-    """`python -m grader ARGS`, started in a session of its own, its output piped."""
+    """`python -m grader ARGS`, started in a session of its own, its output piped; it ends
+    when the test process does."""
     return subprocess.Popen(
-        [sys.executable, "-m", "grader", *args],
+        ends_with_the_tests([sys.executable, "-m", "grader", *args]),
         cwd=cwd,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,

@@ -19,6 +19,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from runner import ends_with_the_tests
+
 DAEMONS = ("munged", "slurmctld", "slurmd")
 CLIENTS = ("sbatch", "scancel", "scontrol", "sinfo")
 
@@ -184,7 +186,11 @@ def single_node_slurm(root: Path) -> Iterator[Cluster]:
         for name, command in commands.items():
             with open(log / f"{name}.out", "w") as out:
                 cluster.processes[name] = subprocess.Popen(
-                    command, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+                    ends_with_the_tests(command),
+                    env=env,
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
                 )
             if name == "munged":
                 _wait_for("munged's socket", (root / "run" / "munge.socket").exists, cluster, 20)

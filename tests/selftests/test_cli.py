@@ -89,6 +89,40 @@ def test_a_missing_module_grades_its_part_as_not_submitted(tmp_path: Path):
     assert tests[0]["output"] == "not submitted: the submission has no pipeline_parallel.py"
 
 
+def test_a_grader_the_tests_started_ends_with_their_process(tmp_path: Path):
+    """A suite stopped by a signal runs no teardown: a grader one of its tests started (with
+    ``runner.start_grader``) ends with the test's process all the same, and all it started."""
+    test_process = f"""
+import sys, time
+sys.path.insert(0, {str(Path(__file__).parent)!r})
+from runner import start_grader
+grader = start_grader(["run", "--submission", "reference", "--results", sys.argv[1]])
+print(grader.pid, flush=True)
+time.sleep(600)
+"""
+    parent = subprocess.Popen(
+        [sys.executable, "-c", test_process, str(tmp_path / "results.json")],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=REPO,
+    )
+    try:
+        assert parent.stdout is not None
+        grader = int(parent.stdout.readline())
+        started: list[int] = []
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline and len(started) < 5:  # torchrun and its 4 ranks
+            time.sleep(0.5)
+            started = descendants(grader)
+        assert len(started) >= 5, "the grader never started its job"
+        time.sleep(3)  # its ranks are in their sandboxes now
+        started = [grader, *descendants(grader)]
+    finally:
+        parent.kill()  # as SIGKILL ends a pytest worker: no teardown runs
+        parent.wait()
+    assert_all_ended(started, seconds=20)  # grading the whole reference takes longer
+
+
 def test_interrupting_the_grader_ends_every_process_it_started(tmp_path: Path):
     """Ctrl-C while a rank is stuck in a busy loop: nothing is left behind, the results kept."""
     results = tmp_path / "results.json"
