@@ -62,24 +62,14 @@ def main(argv: list[str] | None = None) -> int:
     """The command line. torch makes its compiler's cache directory in ``$TMPDIR`` as soon as
     ``torch._dynamo`` is imported (an optimizer's first step imports it, and the trusted
     side's oracles step optimizers): unless one was chosen, the grader's is a temporary
-    directory of its own, removed when it exits, so that grading leaves nothing in ``/tmp``.
-    SIGTERM is Ctrl-C from here on: whenever it comes, what the run made is removed."""
-    with _terminate_as_interrupt():
-        try:
-            if TORCH_CACHE in os.environ:
-                return _main(argv)
-            os.environ[TORCH_CACHE] = tempfile.mkdtemp(prefix="grader-torch-cache-")
-            try:
-                return _main(argv)
-            finally:
-                shutil.rmtree(os.environ.pop(TORCH_CACHE), ignore_errors=True)
-        except BaseException:
-            # Past grading's own handling (its summary was being told), or a library that
-            # made the interrupt another exception (numpy's import an ImportError).
-            if not _SIGNALLED:
-                raise
-            print("grader: interrupted", file=sys.stderr)
-            return EXIT_INTERRUPTED
+    directory of its own, removed when it exits, so that grading leaves nothing in ``/tmp``."""
+    if TORCH_CACHE in os.environ:
+        return _main(argv)
+    os.environ[TORCH_CACHE] = tempfile.mkdtemp(prefix="grader-torch-cache-")
+    try:
+        return _main(argv)
+    finally:
+        shutil.rmtree(os.environ.pop(TORCH_CACHE), ignore_errors=True)
 
 
 def _main(argv: list[str] | None) -> int:
@@ -139,16 +129,15 @@ def _main(argv: list[str] | None) -> int:
 
         for_course = args.results is not None  # batch, Gradescope and the image write one
         session = Session(config, args.sandbox, nodes, for_course, warm=args.watch)
-        try:  # the first job starts now: Ctrl-C must end it
-            session.start(_first_job_size(config, parts, args.world_sizes))
-            tests = select(collect(config, parts), args.keyword, args.world_sizes)
-            if _SIGNALLED:  # pytest's collection takes it for a failure of its own
-                raise KeyboardInterrupt
-            if nodes is not None:
-                nodes.per_node(max(t.world_size for t in tests))
-        except BaseException:
-            session.close()
-            raise
+        with _terminate_as_interrupt():  # the first job starts now: Ctrl-C must end it
+            try:
+                session.start(_first_job_size(config, parts, args.world_sizes))
+                tests = select(collect(config, parts), args.keyword, args.world_sizes)
+                if nodes is not None:
+                    nodes.per_node(max(t.world_size for t in tests))
+            except BaseException:
+                session.close()
+                raise
     except (
         NodesError,
         UsageError,
@@ -355,17 +344,11 @@ def _has_cuda() -> bool:
     return torch.cuda.is_available()
 
 
-#: The SIGTERMs :func:`_terminate_as_interrupt` turned into KeyboardInterrupt: what caught
-#: one on its way (pytest's collection, a library's import) does not make the run go on.
-_SIGNALLED: list[int] = []
-
-
 @contextlib.contextmanager
 def _terminate_as_interrupt() -> Iterator[None]:
     """SIGTERM ends a run the way Ctrl-C does: every job killed, what was graded kept."""
 
     def interrupt(signum: int, frame: FrameType | None) -> None:
-        _SIGNALLED.append(signum)
         raise KeyboardInterrupt
 
     previous = signal.signal(signal.SIGTERM, interrupt)
