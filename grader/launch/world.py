@@ -198,9 +198,9 @@ class RankPool:
             self._starting = self._launch_job()
 
     def when_started(self, then: Callable[[], None]) -> None:
-        """Run ``then`` once this pool's first job has every rank connected (or could not
-        start): another job started then leaves this one's ranks the CPUs while they import
-        torch, which the first call waits for."""
+        """Run ``then`` once this pool's job has every rank connected: another job started
+        then leaves this one's ranks the CPUs while they import torch, which the first call
+        waits for."""
         self._when_started.append(then)
 
     def _running_job(self) -> _Job:
@@ -213,10 +213,9 @@ class RankPool:
         except failures.GraderFailure:
             # once more, in a fresh job: a busy machine is no fault
             self._job = self._connected(self._launch_job())
-        finally:
-            waiting, self._when_started = self._when_started, []
-            for then in waiting:
-                then()
+        waiting, self._when_started = self._when_started, []
+        for then in waiting:  # not on an interrupt or a failure: the run is ending then
+            then()
         return self._job
 
     def _launch_job(self) -> _Job:

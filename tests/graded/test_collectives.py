@@ -74,11 +74,13 @@ def nbytes(*tensors: torch.Tensor) -> int:
 
 
 def total(tensors: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
-    return sums_in_float64(tensors)[0].to(dtype)
+    return summed(tensors, dtype)[0]
 
 
-def magnitude(tensors: list[torch.Tensor]) -> torch.Tensor:
-    return sums_in_float64(tensors)[1]
+def summed(tensors: list[torch.Tensor], dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """The sum in ``dtype``, and its magnitude (the sum of the absolute values, in float64)."""
+    exact, magnitude = sums_in_float64(tensors)
+    return exact.to(dtype), magnitude
 
 
 def sum_mistakes(parts: list[torch.Tensor], expected: torch.Tensor, who: str = "rank") -> dict:
@@ -173,12 +175,12 @@ def test_reduce(world: World) -> None:
                         inputs[r],
                         f"{what}: rank {r}'s tensor (not the destination)",
                     )
-            expected = total(inputs, case.dtype)
+            expected, size = summed(inputs, case.dtype)
             check_close(
                 out.args[dst][0],
                 expected,
                 f"rank {dst}: {what}",
-                magnitude=magnitude(inputs),
+                magnitude=size,
                 terms=p,
                 explanations=partial(sum_mistakes, inputs, expected),
                 before=inputs[dst],
@@ -194,13 +196,13 @@ def test_all_reduce(world: World) -> None:
         inputs = [case.tensor(r) for r in range(p)]
         what = f"all_reduce of {case}"
         out = world.call("collectives.all_reduce", [(inputs[r],) for r in range(p)], case=what)
-        expected = total(inputs, case.dtype)
+        expected, size = summed(inputs, case.dtype)
         for r in range(p):
             check_close(
                 out.args[r][0],
                 expected,
                 f"rank {r}: {what}",
-                magnitude=magnitude(inputs),
+                magnitude=size,
                 terms=p,
                 explanations=partial(sum_mistakes, inputs, expected),
                 before=inputs[r],
@@ -307,12 +309,12 @@ def test_reduce_scatter(world: World) -> None:
             for r, item in enumerate(out.args[rank][1]):
                 check_unchanged(item, lists[rank][r], f"{what}: rank {rank}'s input_list[{r}]")
             mine = [lists[s][rank] for s in range(p)]
-            expected = total(mine, case.dtype)
+            expected, size = summed(mine, case.dtype)
             check_close(
                 out.args[rank][0],
                 expected,
                 f"rank {rank}: {what}: its output",
-                magnitude=magnitude(mine),
+                magnitude=size,
                 terms=p,
                 explanations=partial(scatter_mistakes, lists, rank, expected),
                 before=case.zeros(),
