@@ -91,11 +91,15 @@ class Session:
         self.config, self.nodes, self.for_course, self.warm = config, nodes, for_course, warm
         self.sandbox_request = sandbox_request
         self.work = Path(tempfile.mkdtemp(prefix="grader-")).resolve()
-        self.work.chmod(0o711)  # the sandbox's uid may pass through to its socket and scratch
         self.level: sandbox.Level | None = None  # chosen at the first grading
         self.identity: Identity | None = None
-        if os.geteuid() == 0 and sys.platform == "linux":
-            self.identity = uids.reserve()
+        try:
+            self.work.chmod(0o711)  # the sandbox's uid may pass through to its socket, scratch
+            if os.geteuid() == 0 and sys.platform == "linux":
+                self.identity = uids.reserve()
+        except BaseException:  # an interrupt before the caller holds the session
+            shutil.rmtree(self.work, ignore_errors=True)
+            raise
         self._reference: RankPool | None = None
         self._next: RankPool | None = None  # the next grading's job, started ahead
 

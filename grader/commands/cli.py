@@ -132,7 +132,9 @@ def _main(argv: list[str] | None) -> int:
         with _terminate_as_interrupt():  # the first job starts now: Ctrl-C must end it
             try:
                 session.start(_first_job_size(config, parts, args.world_sizes))
-                tests = select(collect(config, parts), args.keyword, args.world_sizes)
+                with _interrupt_after():  # pytest takes an interrupt for its own failure
+                    collected = collect(config, parts)
+                tests = select(collected, args.keyword, args.world_sizes)
                 if nodes is not None:
                     nodes.per_node(max(t.world_size for t in tests))
             except BaseException:
@@ -151,14 +153,16 @@ def _main(argv: list[str] | None) -> int:
     except KeyboardInterrupt:  # before grading began
         console.print("[bold red]interrupted[/]: every worker was stopped")
         return EXIT_INTERRUPTED
-    if args.watch:
-        from grader.commands.watch import watch
+    with _terminate_as_interrupt(), session:
+        if args.watch:
+            from grader.commands.watch import watch
 
-        with _terminate_as_interrupt():
             watch(console, session, tests, submission, args.verbose)
-        return EXIT_INTERRUPTED  # watching ends only so
-    with session:
-        return _run(console, session, tests, submission, args.results, args.verbose)
+            return EXIT_INTERRUPTED  # watching ends only so
+        try:
+            return _run(console, session, tests, submission, args.results, args.verbose)
+        except KeyboardInterrupt:  # the grading was over: its results were being told
+            return EXIT_INTERRUPTED
 
 
 def _first_job_size(config: GradingConfig, parts: list[str], world_sizes: list[int] | None) -> int:
@@ -342,6 +346,24 @@ def _has_cuda() -> bool:
     import torch
 
     return torch.cuda.is_available()
+
+
+@contextlib.contextmanager
+def _interrupt_after() -> Iterator[None]:
+    """Ctrl-C and SIGTERM during the block interrupt the run at its end, not inside it."""
+    came: list[int] = []
+    previous = {
+        sig: signal.signal(sig, lambda signum, frame: came.append(signum))
+        for sig in (signal.SIGINT, signal.SIGTERM)
+        if signal.getsignal(sig) != signal.SIG_IGN  # a signal ignored stays so
+    }
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    if came:
+        raise KeyboardInterrupt
 
 
 @contextlib.contextmanager

@@ -276,6 +276,17 @@ def prepare_job(settings: JobSettings, job_dir: Path, relay: dict[str, str]) -> 
     job_dir.mkdir(parents=True)
     # A Unix socket's path must be short (108 bytes): not under a deep temporary directory.
     socket_dir = Path(tempfile.mkdtemp(prefix="grader-sockets-", dir=_short_tmp()))
+    try:
+        _write_plan(settings, job_dir, socket_dir, relay)
+    except BaseException:  # an interrupt before the caller holds the folder
+        shutil.rmtree(socket_dir, ignore_errors=True)
+        raise
+    return socket_dir
+
+
+def _write_plan(
+    settings: JobSettings, job_dir: Path, socket_dir: Path, relay: dict[str, str]
+) -> None:
     for path in (job_dir, socket_dir):
         path.chmod(0o711)  # the sandbox's uid reaches its socket, and nothing else here
     (job_dir / "scratch").mkdir(mode=0o711)
@@ -292,12 +303,20 @@ def prepare_job(settings: JobSettings, job_dir: Path, relay: dict[str, str]) -> 
         device=settings.device,
         **relay,
     ).write(job_dir)
-    return socket_dir
+
+
+#: The most bytes a Unix socket's path may hold, and what a job's folder adds to it.
+_SOCKET_PATH_BYTES = 107
+_SOCKET_NAME_BYTES = len("/grader-sockets-XXXXXXXX/") + len(rank_socket(Path(), 9999).name)
 
 
 def _short_tmp() -> str | None:
-    """/tmp when it is writable (short paths), else the system's temporary directory."""
-    return "/tmp" if os.access("/tmp", os.W_OK | os.X_OK) else None
+    """The system's temporary directory (``$TMPDIR``: None) where a socket's path fits in it,
+    else /tmp when it is writable."""
+    room = _SOCKET_PATH_BYTES - len(os.fsencode(tempfile.gettempdir()))
+    if room >= _SOCKET_NAME_BYTES or not os.access("/tmp", os.W_OK | os.X_OK):
+        return None
+    return "/tmp"
 
 
 PROBE_SECONDS = 60.0  # torch's import in the sandbox, on a loaded machine
@@ -311,12 +330,13 @@ def probe(settings: JobSettings) -> str | None:
     the grader's rank side instead of serving calls. Seconds, once per run.
     """
     job_dir = settings.work_dir / "probe"
-    socket_dir = prepare_job(settings, job_dir, {})
     env = {**os.environ, "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"}
     command = [sys.executable, "-m", RANK_WRAPPER, str(job_dir), "--probe"]
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)  # bound in, as the broker's
-    listener.bind(str(rank_socket(socket_dir, 0)))
+    socket_dir = None
     try:
+        socket_dir = prepare_job(settings, job_dir, {})
+        listener.bind(str(rank_socket(socket_dir, 0)))
         done = subprocess.run(
             command, env=env, capture_output=True, timeout=PROBE_SECONDS, start_new_session=True
         )
@@ -326,7 +346,8 @@ def probe(settings: JobSettings) -> str | None:
         listener.close()
         if settings.identity is not None:
             settings.identity.end_jobs()
-        shutil.rmtree(socket_dir, ignore_errors=True)
+        if socket_dir is not None:
+            shutil.rmtree(socket_dir, ignore_errors=True)
     if done.returncode == 0:
         shutil.rmtree(job_dir, ignore_errors=True)
         return None

@@ -208,11 +208,16 @@ class RankPool:
             return self._job
         starting, self._starting = self._starting, None
         self.close()
+        # Kept as starting until its ranks are connected: an interrupt meanwhile (Ctrl-C,
+        # SIGTERM) leaves it where close() ends it.
+        self._starting = starting or self._launch_job()
         try:
-            self._job = self._connected(starting or self._launch_job())
+            self._job = self._connected(self._starting)
         except failures.GraderFailure:
             # once more, in a fresh job: a busy machine is no fault
-            self._job = self._connected(self._launch_job())
+            self._starting = self._launch_job()
+            self._job = self._connected(self._starting)
+        self._starting = None
         waiting, self._when_started = self._when_started, []
         for then in waiting:  # not on an interrupt or a failure: the run is ending then
             then()
@@ -223,18 +228,27 @@ class RankPool:
         job_dir = self.settings.work_dir / f"job{number}"
         broker = Broker(self.size)
         head = self.settings.head
-        if head is None:
-            socket_dir = prepare_job(self.settings, job_dir, {})
-            broker.listen_unix(socket_dir)
-            job = TorchrunJob(job_dir, self.size, RANK_WRAPPER, identity=self.settings.identity)
-        else:  # every rank, this node's too, relays to the broker via the head
-            job_id = f"grader-job{number}"
-            per_node = head.nodes.per_node(self.size)
-            head.start_job(job_id, per_node, broker.serve)
-            job, socket_dir = node_job(
-                self.settings, job_dir, head.nodes, job_id, per_node, head.address, head.key
-            )
-        job.start()
+        socket_dir, job = None, None
+        try:
+            if head is None:
+                socket_dir = prepare_job(self.settings, job_dir, {})
+                broker.listen_unix(socket_dir)
+                job = TorchrunJob(job_dir, self.size, RANK_WRAPPER, identity=self.settings.identity)
+            else:  # every rank, this node's too, relays to the broker via the head
+                job_id = f"grader-job{number}"
+                per_node = head.nodes.per_node(self.size)
+                head.start_job(job_id, per_node, broker.serve)
+                job, socket_dir = node_job(
+                    self.settings, job_dir, head.nodes, job_id, per_node, head.address, head.key
+                )
+            job.start()
+        except BaseException:  # an interrupt before the pool holds the job: end what began
+            if job is not None:
+                job.kill()
+            broker.close()
+            if socket_dir is not None:
+                shutil.rmtree(socket_dir, ignore_errors=True)
+            raise
         threading.Thread(target=_watch, args=(job, broker), daemon=True).start()
         if head is not None:
             head.watch(broker.end_job)

@@ -12,7 +12,15 @@ import time
 from pathlib import Path
 
 import pytest
-from runner import REPO, SUBMISSIONS, assert_all_ended, materialize, run_grader
+from runner import (
+    REPO,
+    SUBMISSIONS,
+    assert_all_ended,
+    command_line,
+    materialize,
+    run_grader,
+    start_grader,
+)
 
 from grader.launch.job import descendants
 
@@ -121,6 +129,42 @@ time.sleep(600)
         parent.kill()  # as SIGKILL ends a pytest worker: no teardown runs
         parent.wait()
     assert_all_ended(started, seconds=20)  # grading the whole reference takes longer
+
+
+@pytest.mark.parametrize("after", [0.0, 3.0])
+def test_sigterm_while_the_first_job_starts_leaves_nothing(after: float, tmp_path: Path):
+    """SIGTERM ``after`` seconds past the start of the first job (its ranks importing torch
+    while the grader collects the tests; then the first test, on a submission whose import
+    hangs): exit status 130, every process ended, every file removed. A job whose ranks were
+    still connecting was neither the pool's running job nor its starting one, and was left
+    with its folders; pytest's collection took the signal for a failure of its own, and the
+    run went on to grade everything."""
+    hanging = tmp_path / "submission"
+    hanging.mkdir()
+    (hanging / "collectives.py").write_text("import time\n\ntime.sleep(600)\n")
+    scratch = tmp_path / "tmp"  # the grader's temporary files, its sockets' folders too
+    scratch.mkdir()
+    grader = start_grader(
+        ["run", "collectives", "--submission", str(hanging)], env={"TMPDIR": str(scratch)}
+    )
+    try:
+        started: set[int] = set()
+        deadline = time.monotonic() + 90
+        while not any("torch.distributed.run" in command_line(p) for p in started):
+            assert time.monotonic() < deadline, "the grader never started its job"
+            started |= set(descendants(grader.pid))
+            time.sleep(0.05)
+        time.sleep(after)
+        started |= set(descendants(grader.pid))
+        grader.send_signal(signal.SIGTERM)
+        out, err = grader.communicate(timeout=60)
+    finally:
+        if grader.poll() is None:
+            os.killpg(grader.pid, signal.SIGKILL)
+    assert grader.returncode == 130, out + err
+    assert "Traceback" not in err, err
+    assert_all_ended(started)
+    assert not list(scratch.iterdir()), list(scratch.iterdir())
 
 
 def test_interrupting_the_grader_ends_every_process_it_started(tmp_path: Path):
