@@ -59,17 +59,27 @@ TORCH_CACHE = "TORCHINDUCTOR_CACHE_DIR"
 
 
 def main(argv: list[str] | None = None) -> int:
-    """The command line. torch makes its compiler's cache directory in ``$TMPDIR`` as soon as
-    ``torch._dynamo`` is imported (an optimizer's first step imports it, and the trusted
-    side's oracles step optimizers): unless one was chosen, the grader's is a temporary
-    directory of its own, removed when it exits, so that grading leaves nothing in ``/tmp``."""
-    if TORCH_CACHE in os.environ:
-        return _main(argv)
-    os.environ[TORCH_CACHE] = tempfile.mkdtemp(prefix="grader-torch-cache-")
+    """The command line. SIGTERM ends every command as Ctrl-C does, from here on: what was
+    started is ended, what was made is removed, and the exit status is 130.
+
+    torch makes its compiler's cache directory in ``$TMPDIR`` as soon as ``torch._dynamo``
+    is imported (an optimizer's first step imports it, and the trusted side's oracles step
+    optimizers): unless one was chosen, the grader's is a temporary directory of its own,
+    removed when it exits, so that grading leaves nothing in ``/tmp``."""
+    previous = signal.signal(signal.SIGTERM, _interrupt)
+    cache = None
     try:
+        if TORCH_CACHE not in os.environ:
+            with _signals_held():  # made and named at once: an interrupt finds both or neither
+                cache = os.environ[TORCH_CACHE] = tempfile.mkdtemp(prefix="grader-torch-cache-")
         return _main(argv)
+    except KeyboardInterrupt:  # before a command could stop what it started, or after
+        print("interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
     finally:
-        shutil.rmtree(os.environ.pop(TORCH_CACHE), ignore_errors=True)
+        if cache is not None:
+            shutil.rmtree(os.environ.pop(TORCH_CACHE), ignore_errors=True)
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _main(argv: list[str] | None) -> int:
@@ -106,7 +116,6 @@ def _main(argv: list[str] | None) -> int:
             return _bench(console, args, modules)
         if args.command == "batch":
             return _batch(args, config, parts)
-        from grader.course.catalog import collect
         from grader.report.results import ResultsPathError, check_writable
 
         nodes = Nodes.from_options(args.nnodes, args.node_rank, args.rdzv_endpoint)
@@ -125,21 +134,17 @@ def _main(argv: list[str] | None) -> int:
         sandbox.requested(args.sandbox)  # $GRADER_SANDBOX too
         if args.backend != "auto":
             os.environ["GRADER_DEVICE"] = "cuda" if args.backend == "nccl" else "cpu"
-        from grader.grading import Session
+        with _interrupt_after():  # torch's import
+            from grader.grading import Session
 
-        for_course = args.results is not None  # batch, Gradescope and the image write one
-        session = Session(config, args.sandbox, nodes, for_course, warm=args.watch)
-        with _terminate_as_interrupt():  # the first job starts now: Ctrl-C must end it
-            try:
-                session.start(_first_job_size(config, parts, args.world_sizes))
-                with _interrupt_after():  # pytest takes an interrupt for its own failure
-                    collected = collect(config, parts)
-                tests = select(collected, args.keyword, args.world_sizes)
-                if nodes is not None:
-                    nodes.per_node(max(t.world_size for t in tests))
-            except BaseException:
+        session: Session | None = None
+        try:
+            for_course = args.results is not None  # batch, Gradescope and the image write one
+            session = Session(config, args.sandbox, nodes, for_course, warm=args.watch)
+            return _grade(console, session, args, config, parts, nodes, submission)
+        finally:
+            if session is not None:
                 session.close()
-                raise
     except (
         NodesError,
         UsageError,
@@ -153,16 +158,35 @@ def _main(argv: list[str] | None) -> int:
     except KeyboardInterrupt:  # before grading began
         console.print("[bold red]interrupted[/]: every worker was stopped")
         return EXIT_INTERRUPTED
-    with _terminate_as_interrupt(), session:
-        if args.watch:
-            from grader.commands.watch import watch
 
-            watch(console, session, tests, submission, args.verbose)
-            return EXIT_INTERRUPTED  # watching ends only so
-        try:
-            return _run(console, session, tests, submission, args.results, args.verbose)
-        except KeyboardInterrupt:  # the grading was over: its results were being told
-            return EXIT_INTERRUPTED
+
+def _grade(
+    console: Console,
+    session: Session,
+    args: argparse.Namespace,
+    config: GradingConfig,
+    parts: list[str],
+    nodes: Nodes | None,
+    submission: Path,
+) -> int:
+    """Start the first job, collect and select the tests, and grade them (or watch)."""
+    from grader.course.catalog import collect
+
+    session.start(_first_job_size(config, parts, args.world_sizes))
+    with _interrupt_after():  # pytest takes an interrupt for its own failure
+        collected = collect(config, parts)
+    tests = select(collected, args.keyword, args.world_sizes)
+    if nodes is not None:
+        nodes.per_node(max(t.world_size for t in tests))
+    if args.watch:
+        from grader.commands.watch import watch
+
+        watch(console, session, tests, submission, args.verbose)
+        return EXIT_INTERRUPTED  # watching ends only so
+    try:
+        return _run(console, session, tests, submission, args.results, args.verbose)
+    except KeyboardInterrupt:  # the grading was over: its results were being told
+        return EXIT_INTERRUPTED
 
 
 def _first_job_size(config: GradingConfig, parts: list[str], world_sizes: list[int] | None) -> int:
@@ -208,7 +232,7 @@ def _run(
     console.print(
         f"Grading [bold]{escape(str(submission))}[/] ({len(tests)} tests)", highlight=False
     )
-    with _terminate_as_interrupt(), ProgressDisplay(console, len(tests)) as display:
+    with ProgressDisplay(console, len(tests)) as display:
         listener = Listener(display.on_start, display.on_verdict)
         run = session.grade(tests, submission, listener)
     results, interrupted = run.results, run.interrupted
@@ -261,7 +285,8 @@ def _list(console: Console, config: GradingConfig, parts: list[str]) -> int:
     from grader.report.terminal import print_listing
 
     try:
-        tests = collect(config, parts)
+        with _interrupt_after():  # the tests' modules import torch
+            tests = collect(config, parts)
     except ConfigError as err:
         print(f"grader: error: {err}", file=sys.stderr)
         return EXIT_CANNOT_GRADE
@@ -270,8 +295,9 @@ def _list(console: Console, config: GradingConfig, parts: list[str]) -> int:
 
 
 def _bench(console: Console, args: argparse.Namespace, modules: list[str]) -> int:
-    from grader.bench.runner import DEFAULT_SIZES, plot, print_tables, run_bench
-    from grader.testkit.calls import COLLECTIVES
+    with _interrupt_after():  # torch's import
+        from grader.bench.runner import DEFAULT_SIZES, plot, print_tables, run_bench
+        from grader.testkit.calls import COLLECTIVES
 
     if any(part != "collectives" for part in args.parts):
         raise UsageError("grader bench measures the collectives part only")
@@ -281,15 +307,8 @@ def _bench(console: Console, args: argparse.Namespace, modules: list[str]) -> in
     sizes = [s for s in DEFAULT_SIZES if s <= args.max_bytes] or [args.max_bytes]
     submission = resolve(args.submission, modules)
     try:
-        with _terminate_as_interrupt():
-            results = run_bench(
-                console,
-                submission,
-                functions,
-                args.world_sizes or [2, 4],
-                sizes,
-                max(1, args.iterations),
-            )
+        world_sizes, iterations = args.world_sizes or [2, 4], max(1, args.iterations)
+        results = run_bench(console, submission, functions, world_sizes, sizes, iterations)
     except KeyboardInterrupt:
         console.print("[bold red]interrupted[/]: every worker was stopped")
         return EXIT_INTERRUPTED
@@ -312,7 +331,9 @@ def _batch(args: argparse.Namespace, config: GradingConfig, parts: list[str]) ->
     shard = batching.parse_shard(args.shard or "0/1")
     if not args.submissions.is_dir():
         raise UsageError(f"no such directory: {args.submissions}")
-    select(collect(config, parts), args.keyword, args.world_sizes)
+    with _interrupt_after():  # the tests' modules import torch
+        collected = collect(config, parts)
+    select(collected, args.keyword, args.world_sizes)
     run_args = [*args.parts, *(["-k", args.keyword] if args.keyword else [])]
     run_args += [f"--world-size={n}" for n in args.world_sizes or []]
     grader_args = ["--config", str(config.path.resolve())]  # every student graded by this course
@@ -326,24 +347,24 @@ def _batch(args: argparse.Namespace, config: GradingConfig, parts: list[str]) ->
         shard=shard,
         timeout=args.timeout,
     )
-    with _terminate_as_interrupt():
-        return batching.run_batch(batch)
+    return batching.run_batch(batch)
 
 
 def _lend(nodes: Nodes, sandbox_request: str) -> int:
     """A node other than node 0: lend ranks to node 0's jobs until grading is over."""
-    from grader.nodes.lend import lend_ranks
+    with _interrupt_after():  # torch's import
+        from grader.nodes.lend import lend_ranks
 
     try:
-        with _terminate_as_interrupt():
-            return lend_ranks(nodes, sandbox_request)
+        return lend_ranks(nodes, sandbox_request)
     except KeyboardInterrupt:
         print(f"node {nodes.rank}: interrupted: every worker was stopped", file=sys.stderr)
         return EXIT_INTERRUPTED
 
 
 def _has_cuda() -> bool:
-    import torch
+    with _interrupt_after():
+        import torch
 
     return torch.cuda.is_available()
 
@@ -366,18 +387,20 @@ def _interrupt_after() -> Iterator[None]:
         raise KeyboardInterrupt
 
 
+def _interrupt(signum: int, frame: FrameType | None) -> None:
+    """SIGTERM, as Ctrl-C: every job killed, what was graded kept."""
+    raise KeyboardInterrupt
+
+
 @contextlib.contextmanager
-def _terminate_as_interrupt() -> Iterator[None]:
-    """SIGTERM ends a run the way Ctrl-C does: every job killed, what was graded kept."""
-
-    def interrupt(signum: int, frame: FrameType | None) -> None:
-        raise KeyboardInterrupt
-
-    previous = signal.signal(signal.SIGTERM, interrupt)
+def _signals_held() -> Iterator[None]:
+    """Ctrl-C and SIGTERM wait for the block's end, where they interrupt at once. For a few
+    system calls only: a process started meanwhile would inherit the mask."""
+    held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        signal.pthread_sigmask(signal.SIG_SETMASK, held)
 
 
 if __name__ == "__main__":

@@ -167,6 +167,33 @@ def test_sigterm_while_the_first_job_starts_leaves_nothing(after: float, tmp_pat
     assert not list(scratch.iterdir()), list(scratch.iterdir())
 
 
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_before_the_first_job_leaves_nothing(signum: int, tmp_path: Path):
+    """SIGTERM or Ctrl-C as soon as the grader made its first file (its torch cache folder),
+    while it imports torch, before any job: exit status 130, no traceback, nothing left.
+    SIGTERM killed it there with that folder left; an interrupt raised inside torch's import
+    goes through C++ and aborts the process."""
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    grader = start_grader(["run", "collectives"], env={"TMPDIR": str(scratch)})
+    try:
+        deadline = time.monotonic() + 60
+        while not any(scratch.glob("grader-torch-cache-*")):
+            assert time.monotonic() < deadline and grader.poll() is None, "no cache folder"
+            time.sleep(0.005)
+        started = set(descendants(grader.pid))
+        grader.send_signal(signum)
+        out, err = grader.communicate(timeout=60)
+    finally:
+        if grader.poll() is None:
+            os.killpg(grader.pid, signal.SIGKILL)
+    assert grader.returncode == 130, out + err
+    assert "interrupted" in out + err, out + err
+    assert "Traceback" not in err, err
+    assert_all_ended(started)
+    assert not list(scratch.iterdir()), list(scratch.iterdir())
+
+
 def test_interrupting_the_grader_ends_every_process_it_started(tmp_path: Path):
     """Ctrl-C while a rank is stuck in a busy loop: nothing is left behind, the results kept."""
     results = tmp_path / "results.json"
