@@ -24,10 +24,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
-import shutil
 import signal
 import sys
-import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -42,6 +40,7 @@ from grader.commands import batch as batching
 from grader.commands.options import UsageError, parser
 from grader.course.config import ConfigError, GradingConfig, activate, find_config, load_config
 from grader.course.submission import SubmissionError, resolve
+from grader.launch import tmpdir
 from grader.nodes import Nodes, NodesError
 
 if TYPE_CHECKING:
@@ -55,30 +54,26 @@ EXIT_INTERRUPTED = 130
 LOG_WIDTH = 200
 
 
-TORCH_CACHE = "TORCHINDUCTOR_CACHE_DIR"
-
-
 def main(argv: list[str] | None = None) -> int:
     """The command line. SIGTERM ends every command as Ctrl-C does, from here on: what was
     started is ended, what was made is removed, and the exit status is 130.
 
-    torch makes its compiler's cache directory in ``$TMPDIR`` as soon as ``torch._dynamo``
-    is imported (an optimizer's first step imports it, and the trusted side's oracles step
-    optimizers): unless one was chosen, the grader's is a temporary directory of its own,
-    removed when it exits, so that grading leaves nothing in ``/tmp``."""
+    Everything the grader and its children make in the temporary directory (torch too,
+    whose compiler makes a cache there as soon as an optimizer first steps) lies in one
+    folder of this process's, removed when it exits; one that a killed grader left is
+    removed here (:mod:`grader.launch.tmpdir`)."""
     previous = signal.signal(signal.SIGTERM, _interrupt)
-    cache = None
+    claim = None
     try:
-        if TORCH_CACHE not in os.environ:
-            with _signals_held():  # made and named at once: an interrupt finds both or neither
-                cache = os.environ[TORCH_CACHE] = tempfile.mkdtemp(prefix="grader-torch-cache-")
+        with _signals_held():  # made and held at once: an interrupt finds both or neither
+            claim = tmpdir.Claim()
         return _main(argv)
     except KeyboardInterrupt:  # before a command could stop what it started, or after
         print("interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
     finally:
-        if cache is not None:
-            shutil.rmtree(os.environ.pop(TORCH_CACHE), ignore_errors=True)
+        if claim is not None:
+            claim.release()
         signal.signal(signal.SIGTERM, previous)
 
 

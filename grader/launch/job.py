@@ -22,13 +22,13 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING
 
 from grader.course.config import RankLimits
+from grader.launch import tmpdir
 from grader.launch.sandboxed import SandboxPlan, last_words
 from grader.protocol import rank_socket
 from grader.sandbox import DEFAULT_SCRATCH, Level, die_with, view
@@ -274,8 +274,7 @@ def prepare_job(settings: JobSettings, job_dir: Path, relay: dict[str, str]) -> 
     ``relay``: for a job across nodes, where and how the wrappers reach the broker.
     """
     job_dir.mkdir(parents=True)
-    # A Unix socket's path must be short (108 bytes): not under a deep temporary directory.
-    socket_dir = Path(tempfile.mkdtemp(prefix="grader-sockets-", dir=_short_tmp()))
+    socket_dir = tmpdir.socket_folder()
     try:
         _write_plan(settings, job_dir, socket_dir, relay)
     except BaseException:  # an interrupt before the caller holds the folder
@@ -303,20 +302,6 @@ def _write_plan(
         device=settings.device,
         **relay,
     ).write(job_dir)
-
-
-#: The most bytes a Unix socket's path may hold, and what a job's folder adds to it.
-_SOCKET_PATH_BYTES = 107
-_SOCKET_NAME_BYTES = len("/grader-sockets-XXXXXXXX/") + len(rank_socket(Path(), 9999).name)
-
-
-def _short_tmp() -> str | None:
-    """The system's temporary directory (``$TMPDIR``: None) where a socket's path fits in it,
-    else /tmp when it is writable."""
-    room = _SOCKET_PATH_BYTES - len(os.fsencode(tempfile.gettempdir()))
-    if room >= _SOCKET_NAME_BYTES or not os.access("/tmp", os.W_OK | os.X_OK):
-        return None
-    return "/tmp"
 
 
 PROBE_SECONDS = 60.0  # torch's import in the sandbox, on a loaded machine

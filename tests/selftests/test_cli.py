@@ -169,17 +169,17 @@ def test_sigterm_while_the_first_job_starts_leaves_nothing(after: float, tmp_pat
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
 def test_a_signal_before_the_first_job_leaves_nothing(signum: int, tmp_path: Path):
-    """SIGTERM or Ctrl-C as soon as the grader made its first file (its torch cache folder),
-    while it imports torch, before any job: exit status 130, no traceback, nothing left.
-    SIGTERM killed it there with that folder left; an interrupt raised inside torch's import
-    goes through C++ and aborts the process."""
+    """SIGTERM or Ctrl-C as soon as the grader made its folder of temporary files, while it
+    imports torch, before any job: exit status 130, no traceback, nothing left. SIGTERM
+    killed it there with its folder left; an interrupt raised inside torch's import goes
+    through C++ and aborts the process."""
     scratch = tmp_path / "tmp"
     scratch.mkdir()
     grader = start_grader(["run", "collectives"], env={"TMPDIR": str(scratch)})
     try:
         deadline = time.monotonic() + 60
-        while not any(scratch.glob("grader-torch-cache-*")):
-            assert time.monotonic() < deadline and grader.poll() is None, "no cache folder"
+        while not any(scratch.glob("grader-run-*")):
+            assert time.monotonic() < deadline and grader.poll() is None, "no folder made"
             time.sleep(0.005)
         started = set(descendants(grader.pid))
         grader.send_signal(signum)
@@ -191,6 +191,64 @@ def test_a_signal_before_the_first_job_leaves_nothing(signum: int, tmp_path: Pat
     assert "interrupted" in out + err, out + err
     assert "Traceback" not in err, err
     assert_all_ended(started)
+    assert not list(scratch.iterdir()), list(scratch.iterdir())
+
+
+def sockets_of(folder: Path) -> list[Path]:
+    """The socket folders in /tmp of the grader whose folder of temporary files is ``folder``:
+    each holds a link to its ``.owner``."""
+    owner = (folder / ".owner").stat().st_ino
+    found = [s for s in Path("/tmp").glob("grader-sockets-*") if _inode(s / ".owner") == owner]
+    assert found, "no socket folder in /tmp"
+    return found
+
+
+def _inode(path: Path) -> int:
+    try:
+        return path.stat().st_ino
+    except OSError:
+        return -1
+
+
+def test_what_a_killed_grader_left_is_removed_by_the_next(tmp_path: Path):
+    """SIGKILL runs no cleanup: the grader's folder of temporary files (sockets, work folder)
+    stays. The next grader on the machine removes it, and leaves a live grader's alone."""
+    hanging = tmp_path / "submission"
+    hanging.mkdir()
+    (hanging / "collectives.py").write_text("import time\n\ntime.sleep(600)\n")
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    env = {"TMPDIR": str(scratch)}
+
+    def started_job(grader: subprocess.Popen[str]) -> set[int]:
+        deadline = time.monotonic() + 90
+        while not any("torch.distributed.run" in command_line(p) for p in descendants(grader.pid)):
+            assert time.monotonic() < deadline and grader.poll() is None, "no job started"
+            time.sleep(0.05)
+        return {grader.pid, *descendants(grader.pid)}
+
+    killed = start_grader(["run", "collectives", "--submission", str(hanging)], env=env)
+    try:
+        processes = started_job(killed)
+        (left,) = scratch.iterdir()
+        sockets = sockets_of(left)  # in /tmp: a socket's path would be too long in tmp_path
+        killed.kill()
+        killed.wait()
+        assert_all_ended(processes)
+        assert (left / ".owner").exists() and all(s.exists() for s in sockets)
+        live = start_grader(["run", "collectives", "--submission", str(hanging)], env=env)
+        processes = started_job(live)
+        assert not left.exists() and not any(s.exists() for s in sockets)
+        (folder,) = scratch.iterdir()
+        assert run_grader(["list", "collectives"], env=env).returncode == 0
+        assert folder.exists()  # in use
+        live.send_signal(signal.SIGTERM)
+        assert live.wait(timeout=60) == 130
+    finally:
+        for grader in (killed, locals().get("live")):
+            if grader is not None and grader.poll() is None:
+                os.killpg(grader.pid, signal.SIGKILL)
+    assert_all_ended(processes)
     assert not list(scratch.iterdir()), list(scratch.iterdir())
 
 
