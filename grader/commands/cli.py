@@ -22,14 +22,10 @@ The modules that grade are imported only once the configuration is chosen
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
-import signal
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
-from types import FrameType
 from typing import TYPE_CHECKING
 
 from rich.console import Console
@@ -37,6 +33,7 @@ from rich.markup import escape
 
 from grader import sandbox
 from grader.commands import batch as batching
+from grader.commands import interrupts
 from grader.commands.options import UsageError, parser
 from grader.course.config import ConfigError, GradingConfig, activate, find_config, load_config
 from grader.course.submission import SubmissionError, resolve
@@ -62,19 +59,20 @@ def main(argv: list[str] | None = None) -> int:
     whose compiler makes a cache there as soon as an optimizer first steps) lies in one
     folder of this process's, removed when it exits; one that a killed grader left is
     removed here (:mod:`grader.launch.tmpdir`)."""
-    previous = signal.signal(signal.SIGTERM, _interrupt)
     claim = None
     try:
-        with _signals_held():  # made and held at once: an interrupt finds both or neither
-            claim = tmpdir.Claim()
-        return _main(argv)
+        with interrupts.sigterm_is_ctrl_c():
+            try:
+                with interrupts.held():  # made and held at once: an interrupt finds both or neither
+                    claim = tmpdir.Claim()
+                return _main(argv)
+            finally:
+                if claim is not None:
+                    with interrupts.held():  # removed whole, even if a signal comes
+                        claim.release()
     except KeyboardInterrupt:  # before a command could stop what it started, or after
         print("interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
-    finally:
-        if claim is not None:
-            claim.release()
-        signal.signal(signal.SIGTERM, previous)
 
 
 def _main(argv: list[str] | None) -> int:
@@ -129,7 +127,7 @@ def _main(argv: list[str] | None) -> int:
         sandbox.requested(args.sandbox)  # $GRADER_SANDBOX too
         if args.backend != "auto":
             os.environ["GRADER_DEVICE"] = "cuda" if args.backend == "nccl" else "cpu"
-        with _interrupt_after():  # torch's import
+        with interrupts.after():  # torch's import
             from grader.grading import Session
 
         session: Session | None = None
@@ -168,7 +166,7 @@ def _grade(
     from grader.course.catalog import collect
 
     session.start(_first_job_size(config, parts, args.world_sizes))
-    with _interrupt_after():  # pytest takes an interrupt for its own failure
+    with interrupts.after():  # pytest takes an interrupt for its own failure
         collected = collect(config, parts)
     tests = select(collected, args.keyword, args.world_sizes)
     if nodes is not None:
@@ -280,7 +278,7 @@ def _list(console: Console, config: GradingConfig, parts: list[str]) -> int:
     from grader.report.terminal import print_listing
 
     try:
-        with _interrupt_after():  # the tests' modules import torch
+        with interrupts.after():  # the tests' modules import torch
             tests = collect(config, parts)
     except ConfigError as err:
         print(f"grader: error: {err}", file=sys.stderr)
@@ -290,7 +288,7 @@ def _list(console: Console, config: GradingConfig, parts: list[str]) -> int:
 
 
 def _bench(console: Console, args: argparse.Namespace, modules: list[str]) -> int:
-    with _interrupt_after():  # torch's import
+    with interrupts.after():  # torch's import
         from grader.bench.runner import DEFAULT_SIZES, plot, print_tables, run_bench
         from grader.testkit.calls import COLLECTIVES
 
@@ -326,7 +324,7 @@ def _batch(args: argparse.Namespace, config: GradingConfig, parts: list[str]) ->
     shard = batching.parse_shard(args.shard or "0/1")
     if not args.submissions.is_dir():
         raise UsageError(f"no such directory: {args.submissions}")
-    with _interrupt_after():  # the tests' modules import torch
+    with interrupts.after():  # the tests' modules import torch
         collected = collect(config, parts)
     select(collected, args.keyword, args.world_sizes)
     run_args = [*args.parts, *(["-k", args.keyword] if args.keyword else [])]
@@ -347,7 +345,7 @@ def _batch(args: argparse.Namespace, config: GradingConfig, parts: list[str]) ->
 
 def _lend(nodes: Nodes, sandbox_request: str) -> int:
     """A node other than node 0: lend ranks to node 0's jobs until grading is over."""
-    with _interrupt_after():  # torch's import
+    with interrupts.after():  # torch's import
         from grader.nodes.lend import lend_ranks
 
     try:
@@ -358,44 +356,10 @@ def _lend(nodes: Nodes, sandbox_request: str) -> int:
 
 
 def _has_cuda() -> bool:
-    with _interrupt_after():
+    with interrupts.after():
         import torch
 
     return torch.cuda.is_available()
-
-
-@contextlib.contextmanager
-def _interrupt_after() -> Iterator[None]:
-    """Ctrl-C and SIGTERM during the block interrupt the run at its end, not inside it."""
-    came: list[int] = []
-    previous = {
-        sig: signal.signal(sig, lambda signum, frame: came.append(signum))
-        for sig in (signal.SIGINT, signal.SIGTERM)
-        if signal.getsignal(sig) != signal.SIG_IGN  # a signal ignored stays so
-    }
-    try:
-        yield
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-    if came:
-        raise KeyboardInterrupt
-
-
-def _interrupt(signum: int, frame: FrameType | None) -> None:
-    """SIGTERM, as Ctrl-C: every job killed, what was graded kept."""
-    raise KeyboardInterrupt
-
-
-@contextlib.contextmanager
-def _signals_held() -> Iterator[None]:
-    """Ctrl-C and SIGTERM wait for the block's end, where they interrupt at once. For a few
-    system calls only: a process started meanwhile would inherit the mask."""
-    held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
-    try:
-        yield
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, held)
 
 
 if __name__ == "__main__":
