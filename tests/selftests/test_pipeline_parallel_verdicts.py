@@ -7,6 +7,8 @@ other test of that submission still passes.
 
 from __future__ import annotations
 
+import re
+
 PART = "pipeline_parallel"
 REGIMES = ("m<p", "m=p", "m>p")
 GRADIENTS = [f"{s}_gradients[{r}]" for s in ("gpipe", "one_f_one_b") for r in REGIMES]
@@ -85,11 +87,16 @@ def test_receives_asked_for_early_do_not_hide_the_order_of_the_messages(grade) -
     graded = grade("pp_asked_early", PART, world_sizes=(4,))
     assert failing(graded) == dict.fromkeys(SCHEDULES, "failed")  # the gradients are right
     assert graded.message("one_f_one_b_schedule", 4).startswith(GPIPE_IN_1F1B)
-    assert graded.message("gpipe_schedule", 4).startswith(
-        "rank 1: gpipe_step with 9 microbatches on 4 stages: stage 1 sent microbatch 0's "
-        "gradient back to stage 0 before microbatch 8's activation reached it (the broker's "
-        "record of its messages): GPipe runs every forward before any backward"
-    )
+    # Stage 1 runs 1F1B: microbatch 0's gradient leaves once activations 0 to 2 are in. Which
+    # later one the broker handed over last depends on when the stage polled for it (8 on an
+    # idle machine; another once, in a full run of the self-tests): the message names it.
+    message = graded.message("gpipe_schedule", 4)
+    assert re.match(
+        r"rank 1: gpipe_step with 9 microbatches on 4 stages: stage 1 sent microbatch 0's "
+        r"gradient back to stage 0 before microbatch [3-8]'s activation reached it \(the "
+        r"broker's record of its messages\): GPipe runs every forward before any backward",
+        message,
+    ), message
 
 
 def test_unscaled_loss_fails_gradients_with_the_scaling_hint(grade) -> None:
