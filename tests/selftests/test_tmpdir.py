@@ -72,3 +72,14 @@ def test_what_is_not_a_dead_graders_folder_is_never_removed(outer: Path, tmp_pat
     (outer / f"{tmpdir.PREFIX}a-file").write_bytes(hostname)
     assert tmpdir.sweep(outer) == []
     assert unowned.exists() and elsewhere.exists() and (victim / tmpdir.OWNER).exists()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="making another user's folder needs root")
+def test_another_users_folder_is_never_removed(outer: Path):
+    """A rank at the uid level shares /tmp: what its uid makes there, named and shaped like a
+    dead grader's folder, stays (the uid block's own cleanup removes it)."""
+    planted = outer / f"{tmpdir.PREFIX}planted"
+    planted.mkdir()
+    (planted / tmpdir.OWNER).write_bytes(socket.gethostname().encode())
+    os.chown(planted, 65000, 65000)
+    assert tmpdir.sweep(outer) == [] and planted.exists()
