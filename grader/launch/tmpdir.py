@@ -44,7 +44,7 @@ class Claim:
     """This process's folder, while it holds the lock; :meth:`release` removes it."""
 
     def __init__(self) -> None:
-        self._environ = os.environ.get("TMPDIR")
+        self._environ, self._tempdir = os.environ.get("TMPDIR"), tempfile.tempdir
         outer = Path(tempfile.gettempdir())  # where it is made, and where the others are
         sweep(outer)
         self.path = Path(tempfile.mkdtemp(prefix=PREFIX, dir=outer)).resolve()
@@ -58,7 +58,7 @@ class Claim:
 
     def release(self) -> None:
         """Point ``TMPDIR`` back where it was and remove all the folder holds."""
-        tempfile.tempdir = None
+        tempfile.tempdir = self._tempdir
         if self._environ is None:
             os.environ.pop("TMPDIR", None)
         else:
