@@ -71,9 +71,8 @@ def socket_folder() -> Path:
     """A fresh folder for a job's sockets: in the temporary directory where a socket's path
     fits there, else in ``/tmp``, linked to this process's ``.owner`` where it has one."""
     here = Path(tempfile.gettempdir())
-    if _SOCKET_PATH_BYTES - len(os.fsencode(here)) >= _SOCKET_NAME_BYTES or not os.access(
-        SHORT, os.W_OK | os.X_OK
-    ):
+    fits = _SOCKET_PATH_BYTES - len(os.fsencode(here)) >= _SOCKET_NAME_BYTES
+    if fits or not os.access(SHORT, os.W_OK | os.X_OK):
         return Path(tempfile.mkdtemp(prefix=SOCKETS, dir=here))
     folder = Path(tempfile.mkdtemp(prefix=SOCKETS, dir=SHORT))
     if (here / OWNER).exists():
