@@ -131,6 +131,24 @@ time.sleep(600)
     assert_all_ended(started, seconds=20)  # grading the whole reference takes longer
 
 
+def hanging_submission(tmp_path: Path) -> Path:
+    """A submission whose import never returns: its ranks never answer a call."""
+    hanging = tmp_path / "submission"
+    hanging.mkdir()
+    (hanging / "collectives.py").write_text("import time\n\ntime.sleep(600)\n")
+    return hanging
+
+
+def until_its_job(grader: subprocess.Popen[str]) -> set[int]:
+    """Every process seen under ``grader`` (and itself) until its torchrun appears."""
+    seen, deadline = {grader.pid}, time.monotonic() + 90
+    while not any("torch.distributed.run" in command_line(p) for p in seen):
+        assert time.monotonic() < deadline and grader.poll() is None, "no job started"
+        seen |= set(descendants(grader.pid))
+        time.sleep(0.05)
+    return seen
+
+
 @pytest.mark.parametrize("after", [0.0, 3.0])
 def test_sigterm_while_the_first_job_starts_leaves_nothing(after: float, tmp_path: Path):
     """SIGTERM ``after`` seconds past the start of the first job (its ranks importing torch
@@ -139,21 +157,14 @@ def test_sigterm_while_the_first_job_starts_leaves_nothing(after: float, tmp_pat
     still connecting was neither the pool's running job nor its starting one, and was left
     with its folders; pytest's collection took the signal for a failure of its own, and the
     run went on to grade everything."""
-    hanging = tmp_path / "submission"
-    hanging.mkdir()
-    (hanging / "collectives.py").write_text("import time\n\ntime.sleep(600)\n")
+    hanging = hanging_submission(tmp_path)
     scratch = tmp_path / "tmp"  # the grader's temporary files, its sockets' folders too
     scratch.mkdir()
     grader = start_grader(
         ["run", "collectives", "--submission", str(hanging)], env={"TMPDIR": str(scratch)}
     )
     try:
-        started: set[int] = set()
-        deadline = time.monotonic() + 90
-        while not any("torch.distributed.run" in command_line(p) for p in started):
-            assert time.monotonic() < deadline, "the grader never started its job"
-            started |= set(descendants(grader.pid))
-            time.sleep(0.05)
+        started = until_its_job(grader)
         time.sleep(after)
         started |= set(descendants(grader.pid))
         grader.send_signal(signal.SIGTERM)
@@ -213,23 +224,14 @@ def _inode(path: Path) -> int:
 def test_what_a_killed_grader_left_is_removed_by_the_next(tmp_path: Path):
     """SIGKILL runs no cleanup: the grader's folder of temporary files (sockets, work folder)
     stays. The next grader on the machine removes it, and leaves a live grader's alone."""
-    hanging = tmp_path / "submission"
-    hanging.mkdir()
-    (hanging / "collectives.py").write_text("import time\n\ntime.sleep(600)\n")
+    hanging = hanging_submission(tmp_path)
     scratch = tmp_path / "tmp"
     scratch.mkdir()
     env = {"TMPDIR": str(scratch)}
-
-    def started_job(grader: subprocess.Popen[str]) -> set[int]:
-        deadline = time.monotonic() + 90
-        while not any("torch.distributed.run" in command_line(p) for p in descendants(grader.pid)):
-            assert time.monotonic() < deadline and grader.poll() is None, "no job started"
-            time.sleep(0.05)
-        return {grader.pid, *descendants(grader.pid)}
-
     killed = start_grader(["run", "collectives", "--submission", str(hanging)], env=env)
+    live: subprocess.Popen[str] | None = None
     try:
-        processes = started_job(killed)
+        processes = until_its_job(killed)
         (left,) = scratch.iterdir()
         sockets = sockets_of(left)  # in /tmp: a socket's path would be too long in tmp_path
         killed.kill()
@@ -237,7 +239,7 @@ def test_what_a_killed_grader_left_is_removed_by_the_next(tmp_path: Path):
         assert_all_ended(processes)
         assert (left / ".owner").exists() and all(s.exists() for s in sockets)
         live = start_grader(["run", "collectives", "--submission", str(hanging)], env=env)
-        processes = started_job(live)
+        processes = until_its_job(live)
         assert not left.exists() and not any(s.exists() for s in sockets)
         (folder,) = scratch.iterdir()
         assert run_grader(["list", "collectives"], env=env).returncode == 0
@@ -245,7 +247,7 @@ def test_what_a_killed_grader_left_is_removed_by_the_next(tmp_path: Path):
         live.send_signal(signal.SIGTERM)
         assert live.wait(timeout=60) == 130
     finally:
-        for grader in (killed, locals().get("live")):
+        for grader in (killed, live):
             if grader is not None and grader.poll() is None:
                 os.killpg(grader.pid, signal.SIGKILL)
     assert_all_ended(processes)
