@@ -8,9 +8,16 @@ along with every other test of theirs being unaffected.
 from __future__ import annotations
 
 import json
+import signal
 
 import pytest
 from runner import REPO, Graded, materialize, run_grader
+
+# The Ctrl-C these tests send must reach the grader as a terminal's would. A suite started
+# in the background (`pytest &` in a script) inherits SIGINT ignored from the shell, and an
+# ignored signal stays ignored across exec: every grader it started would ignore it too.
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @pytest.fixture(scope="session")
