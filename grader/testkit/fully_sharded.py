@@ -39,14 +39,23 @@ from grader.testkit.data import generator
 ROWS, STEPS = 12, 3  # ROWS: the batch, split evenly over 1, 2, 3 or 4 ranks
 BASE_LR = {"sgd": 0.2, "adamw": 0.02}
 
+# The model's layout, from one built on the CPU (a few hundred elements), the process's random
+# state left as it was. Not on the meta device: its initializers there import torch's compiler
+# (a second and more, paid by every run that collects these tests).
+with torch.random.fork_rng(devices=[]):
+    _MODEL = Net()
+SHAPES = {k: v.shape for k, v in _MODEL.state_dict().items()}
+NUMEL = {k: v.numel() for k, v in _MODEL.named_parameters()}
+SHARDED_PARAMS = [n for n in NUMEL if n.split(".")[0] in SHARDED]
+REPLICATED = [n for n in NUMEL if n not in SHARDED_PARAMS]
+del _MODEL
+
 
 def initial_state() -> dict[str, Tensor]:
     """The model's initial values, from the secret seed, at nn.Module's usual scales."""
-    with torch.device("meta"):
-        shapes = {k: v.shape for k, v in Net().state_dict().items()}
     gen = generator("fully_sharded/state")
     state = {}
-    for name, shape in shapes.items():
+    for name, shape in SHAPES.items():
         scale = 1.0 if name.startswith(("embed", "norm")) else shape[-1] ** -0.5
         base = 1.0 if name.startswith("norm") else 0.0
         state[name] = base + scale * torch.randn(shape, generator=gen) * (0.2 if base else 1)
@@ -91,12 +100,6 @@ def gates(p: int, r: int, optimizer_name: str) -> list[Gate]:
 def rows(p: int, r: int) -> slice:
     """Rank ``r``'s rows of the batch: the ``p`` ranks split it evenly."""
     return slice(r * ROWS // p, (r + 1) * ROWS // p)
-
-
-with torch.device("meta"):
-    NUMEL = {k: v.numel() for k, v in Net().named_parameters()}
-SHARDED_PARAMS = [n for n in NUMEL if n.split(".")[0] in SHARDED]
-REPLICATED = [n for n in NUMEL if n not in SHARDED_PARAMS]
 
 
 def shard_size(name: str, p: int) -> int:
