@@ -186,16 +186,6 @@ class Traffic:
         operations = [e for e in events[: passed.after] if e.op != "mark"]
         return operations, [e for e in events[passed.after :] if e.op != "mark"]
 
-    def marks(self, rank: int) -> list[tuple[int, str]]:
-        """(position among the rank's events, label) of every mark the rank's scenario made."""
-        return [(i, e.at) for i, e in enumerate(self.per_rank[rank]) if e.op == "mark"]
-
-    def bytes_sent(self, rank: int) -> int:
-        return sum(e.nbytes for e in self.per_rank[rank] if e.op == "send")
-
-    def bytes_received(self, rank: int) -> int:
-        return sum(e.nbytes for e in self.per_rank[rank] if e.op == "recv")
-
     def handed_after(self, rank: int, event: int) -> int | None:
         """How many of the rank's events came before the broker handed it what its receive
         ``event`` got; None if it never did."""
