@@ -14,11 +14,8 @@ import contextlib
 import dataclasses
 import hashlib
 import io
-import os
 import shutil
 import signal
-import sys
-import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,18 +26,17 @@ from grader import protocol, sandbox
 from grader.course import config as course
 from grader.course.catalog import GradedTest, WorldSizes, graded_pytest
 from grader.course.config import TIMED, GradingConfig
-from grader.course.secret import secret, secret_path
+from grader.course.secret import secret
 from grader.course.submission import problem_with, stage
 from grader.judge.audit import audit
 from grader.judge.plugin import GradingPlugin
 from grader.judge.verdict import Verdict
-from grader.launch.job import JobSettings, job_settings, probe
+from grader.launch.job import JobSettings, job_settings
+from grader.launch.workspace import UNSANDBOXED, Workspace
 from grader.launch.world import RankPool
 from grader.nodes import Nodes, NodesError, node_key, pack_folder
 from grader.nodes.head import Head
 from grader.report.results import GradedResult
-from grader.sandbox import identity as uids
-from grader.sandbox.identity import Identity
 from grader.testkit import data
 from grader.wire import Frame
 
@@ -70,38 +66,23 @@ class GradingRun:
 
 
 class Session:
-    """What the gradings of one run share: its work folder, its sandbox level and uids, and
-    the reference's job. ``grader run`` grades once; watch mode grades every edit in one
-    session, each time on a fresh job of ranks (nothing of one grading is left for the
-    next), which it starts ahead (``warm``), while the student edits.
-
-    ``for_course``: the results are a course's (a results file): never at ``none`` unless
-    that was asked for by name. A level that cannot run the ranks here raises
-    :class:`sandbox.SandboxError` at the first grading, before any test.
+    """What the gradings of one run share: its workspace (work folder, sandbox level, uids:
+    :class:`grader.launch.workspace.Workspace`) and the reference's job. ``grader run``
+    grades once; watch mode grades every edit in one session, each time on a fresh job of
+    ranks (nothing of one grading is left for the next), which it starts ahead (``warm``),
+    while the student edits. The first grading's job is the one the workspace started,
+    if it did.
     """
 
-    def __init__(
-        self,
-        config: GradingConfig,
-        sandbox_request: str = "auto",
-        nodes: Nodes | None = None,
-        for_course: bool = False,
-        warm: bool = False,
-    ) -> None:
-        self.config, self.nodes, self.for_course, self.warm = config, nodes, for_course, warm
-        self.sandbox_request = sandbox_request
-        self.work = Path(tempfile.mkdtemp(prefix="grader-")).resolve()
-        self.level: sandbox.Level | None = None  # chosen at the first grading
-        self.identity: Identity | None = None
-        try:
-            self.work.chmod(0o711)  # the sandbox's uid may pass through to its socket, scratch
-            if os.geteuid() == 0 and sys.platform == "linux":
-                self.identity = uids.reserve()
-        except BaseException:  # an interrupt before the caller holds the session
-            shutil.rmtree(self.work, ignore_errors=True)
-            raise
+    def __init__(self, workspace: Workspace, nodes: Nodes | None = None, warm: bool = False):
+        self.workspace, self.config = workspace, workspace.config
+        self.nodes, self.warm = nodes, warm
         self._reference: RankPool | None = None
         self._next: RankPool | None = None  # the next grading's job, started ahead
+        launched = workspace.started
+        if launched is not None:  # held by both a moment: ending a job twice is harmless
+            self._next = RankPool(launched.job.per_node, workspace.settings(), launched)
+            workspace.started = None
 
     def __enter__(self) -> Session:
         return self
@@ -115,19 +96,7 @@ class Session:
             if pool is not None:
                 pool.close()
         self._next = self._reference = None
-        shutil.rmtree(self.work, ignore_errors=True)
-        if self.identity is not None:
-            self.identity.release()
-            self.identity = None
-
-    def start(self, size: int) -> None:
-        """Choose the sandbox level and start the first grading's job of ``size`` ranks now,
-        before the tests are collected: its ranks import torch while the grader does. Raises
-        :class:`sandbox.SandboxError` as :meth:`grade` would."""
-        (self.work / "import").mkdir(exist_ok=True)  # staged into at each grading
-        if self._next is None and self.nodes is None:
-            self._next = RankPool(size, self._settings())
-            self._next.start_ahead()
+        self.workspace.close()
 
     def grade(self, tests: list[GradedTest], submission: Path, listener: Listener) -> GradingRun:
         """Grade ``tests``: one result per test, in their order. On Ctrl-C or SIGTERM, every
@@ -140,13 +109,13 @@ class Session:
 
         interrupted, failure, review, per_node = False, None, [], []
         try:
-            import_dir = self.work / "import"
+            import_dir = self.workspace.work / "import"
             shutil.rmtree(import_dir / "assignments", ignore_errors=True)  # the last grading's
             left_out = stage(submission, import_dir)
             staged = import_dir / "assignments"
             review = [f"left out of the submission: {line}" for line in left_out] + audit(staged)
-            level = self._level()
-            if level is sandbox.Level.NONE and self.for_course:
+            level = self.workspace.chosen_level()
+            if level is sandbox.Level.NONE and self.workspace.for_course:
                 review.insert(0, UNSANDBOXED)
             parts = dict.fromkeys(t.part for t in tests)
             problems = {part: problem_with(staged, part) for part in parts}
@@ -168,22 +137,9 @@ class Session:
         results = [
             GradedResult(t, v := verdicts[t.nodeid], t.settings.points * v.share()) for t in tests
         ]
-        level_name = self.level.value if self.level is not None else sandbox.Level.NONE.value
+        chosen = self.workspace.level
+        level_name = chosen.value if chosen is not None else sandbox.Level.NONE.value
         return GradingRun(results, interrupted, level_name, failure, review, per_node)
-
-    def _level(self) -> sandbox.Level:
-        if self.level is None:
-            identity = self.identity
-            self.level = choose_level(
-                self.sandbox_request,
-                self.for_course,
-                lambda lv: job_settings(self.work, lv, "cpu", identity=identity),
-            )
-        return self.level
-
-    def _settings(self) -> JobSettings:
-        level = self._level()
-        return job_settings(self.work, level, _device(), None, self.config.limits, self.identity)
 
     def _run(
         self,
@@ -193,7 +149,7 @@ class Session:
         per_node: list[str],
     ) -> tuple[bool, str | None]:
         """Run the tests; across nodes, ``per_node`` gets the sandbox level each node applied."""
-        settings = self._settings()
+        settings = self.workspace.settings()
         data.configure(secret(), _digest(settings.import_dir))
         head = None
         if self.nodes is not None:
@@ -223,8 +179,9 @@ class Session:
                 head.finish()
                 per_node += [level.value, *(head.levels[n] for n in sorted(head.levels))]
         if self.warm:
-            if self.identity is not None:  # what the uids left in /tmp is not the next's
-                self.identity.clear()
+            identity = self.workspace.identity
+            if identity is not None:  # what the uids left in /tmp is not the next's
+                identity.clear()
             self._next = RankPool(pool.size, settings)
             self._next.start_ahead()
         return outcome
@@ -240,64 +197,6 @@ class Session:
             if reference is not None:
                 self._reference = RankPool(size, reference)
         return self._reference
-
-
-#: The review line of a course's run graded at ``none``, asked for by name.
-UNSANDBOXED = (
-    "graded WITHOUT a sandbox (--sandbox none was asked for): the submission's code could "
-    "read the reference, the graded tests and the secret"
-)
-#: How to get each level going, told when it cannot run the ranks.
-_FIXES = {
-    sandbox.Level.NAMESPACES: "run the grader as root, or where bubblewrap may bind the "
-    "course's paths read-only",
-    sandbox.Level.UID: "install Python and the grader where every user may read them (not "
-    "under a 0700 home), or install bubblewrap (apt-get install bubblewrap)",
-}
-
-
-def choose_level(
-    request: str, for_course: bool, settings_for: Callable[[sandbox.Level], JobSettings]
-) -> sandbox.Level:
-    """The strongest level asked for that really runs a rank here (:func:`probe`, with
-    the settings of this run); ``none`` for a course's run only when asked for by name.
-
-    Raises :class:`sandbox.SandboxError`, one line naming each level's cause and fix.
-    """
-    named = sandbox.requested(request)
-    tried: list[str] = []
-    for level in sandbox.candidates(request):
-        if level is sandbox.Level.NONE and for_course and named != "none":
-            tried.append(
-                "a run that writes results for a course does not grade unsandboxed "
-                "unless --sandbox none is given"
-            )
-            break
-        why = sandbox.unavailable(level)
-        if why is None and level is not sandbox.Level.NONE:
-            settings = settings_for(level)
-            why = probe(settings)
-            why = why and f"a rank cannot start: {why} ({_FIXES[level]})"
-            if why is None and level is sandbox.Level.UID:
-                why = _exposed(settings)
-        if why is None:
-            return level
-        tried.append(f"{level.value}: {why}")
-    raise sandbox.SandboxError("cannot sandbox the ranks here: " + "; ".join(tried))
-
-
-def _exposed(settings: JobSettings) -> str | None:
-    """At ``uid`` only permissions hide the course: which part a rank could read, if any."""
-    course_files = [course.REPO_ROOT / "reference", course.GRADED_DIR, secret_path()]
-    assert settings.identity is not None
-    uid = settings.identity.uid(0)
-    readable = uids.readable_by([p for p in course_files if p.exists()], uid, uid)
-    if not readable:
-        return None
-    return (
-        f"the ranks' uid can read {readable[0]} (make the course unreadable to others: "
-        f"chmod -R o-rwx {course.REPO_ROOT})"
-    )
 
 
 def _run_tests(
@@ -379,12 +278,3 @@ def _digest(import_dir: Path) -> str:
     for path in sorted(import_dir.rglob("*.py")):
         digest.update(str(path.relative_to(import_dir)).encode() + b"\0" + path.read_bytes())
     return digest.hexdigest()
-
-
-def _device() -> str:
-    """Where the ranks keep their tensors: the choice of ``--backend``, else a GPU if any."""
-    if os.environ.get("GRADER_DEVICE") in ("cpu", "cuda"):
-        return os.environ["GRADER_DEVICE"]
-    import torch
-
-    return "cuda" if torch.cuda.is_available() else "cpu"

@@ -23,7 +23,6 @@ import socket
 import threading
 import time
 from abc import ABC, abstractmethod
-from pathlib import Path
 
 from grader import protocol, segment, wire
 from grader.broker import accounting
@@ -49,12 +48,10 @@ class Connections(ABC):
                 self.ended = why
             self._cv.notify_all()
 
-    def listen_unix(self, socket_dir: Path) -> None:
-        """One Unix socket per rank in ``socket_dir``: the ranks of this machine."""
-        for rank in range(self.world_size):
-            listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            listener.bind(str(protocol.rank_socket(socket_dir, rank)))
-            listener.listen(1)
+    def accept_on(self, listeners: list[socket.socket]) -> None:
+        """Take over every rank's listening Unix socket (rank r's at ``listeners[r]``): the
+        ranks of this machine. A rank that connected before waits in its socket's backlog."""
+        for rank, listener in enumerate(listeners):
             self._listeners.append(listener)
             threading.Thread(target=self._accept, args=(rank, listener), daemon=True).start()
 

@@ -38,6 +38,7 @@ from grader.commands.options import UsageError, parser
 from grader.course.config import ConfigError, GradingConfig, activate, find_config, load_config
 from grader.course.submission import SubmissionError, resolve
 from grader.launch import tmpdir
+from grader.launch.workspace import Workspace, device
 from grader.nodes import Nodes, NodesError
 
 if TYPE_CHECKING:
@@ -127,17 +128,23 @@ def _main(argv: list[str] | None) -> int:
         sandbox.requested(args.sandbox)  # $GRADER_SANDBOX too
         if args.backend != "auto":
             os.environ["GRADER_DEVICE"] = "cuda" if args.backend == "nccl" else "cpu"
-        with interrupts.after():  # torch's import
-            from grader.grading import Session
-
+        for_course = args.results is not None  # batch, Gradescope and the image write one
+        with interrupts.after():  # torch's import, where there is a GPU it might use
+            ranks_device = device()
+        workspace = Workspace(config, args.sandbox, for_course, ranks_device)
         session: Session | None = None
         try:
-            for_course = args.results is not None  # batch, Gradescope and the image write one
-            session = Session(config, args.sandbox, nodes, for_course, warm=args.watch)
+            if nodes is None:  # its torchrun and ranks import torch while this process does
+                workspace.start(_first_job_size(config, parts, args.world_sizes))
+            with interrupts.after():  # torch's import
+                from grader.grading import Session
+
+            session = Session(workspace, nodes, warm=args.watch)
             return _grade(console, session, args, config, parts, nodes, submission)
         finally:
             if session is not None:
                 session.close()
+            workspace.close()
     except (
         NodesError,
         UsageError,
@@ -162,10 +169,9 @@ def _grade(
     nodes: Nodes | None,
     submission: Path,
 ) -> int:
-    """Start the first job, collect and select the tests, and grade them (or watch)."""
+    """Collect and select the tests, and grade them (or watch)."""
     from grader.course.catalog import collect
 
-    session.start(_first_job_size(config, parts, args.world_sizes))
     with interrupts.after():  # pytest takes an interrupt for its own failure
         collected = collect(config, parts)
     tests = select(collected, args.keyword, args.world_sizes)
@@ -184,8 +190,9 @@ def _grade(
 
 def _first_job_size(config: GradingConfig, parts: list[str], world_sizes: list[int] | None) -> int:
     """The ranks the run's first job needs, known before the tests are collected: the
-    largest world size of the parts, or of ``--world-size`` if smaller. The session starts
-    that job at once: its ranks import torch while this process collects the tests."""
+    largest world size of the parts, or of ``--world-size`` if smaller. The workspace starts
+    that job at once: its ranks import torch while this process imports it and collects the
+    tests."""
     largest = max(config.part(part).largest_world_size() for part in parts)
     return min(largest, max(world_sizes or [largest]))
 

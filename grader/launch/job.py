@@ -9,27 +9,31 @@ Nothing is lost: every result is on disk already.
 
 The job's folder (the sandbox plan its rank wrappers read, and a short
 folder for the ranks' sockets) is made here too: :func:`prepare_job`, and
-:func:`node_job` for one node's share of a job across nodes.
+:func:`node_job` for one node's share of a job across nodes. :func:`launch` starts a
+job of this machine's ranks with every rank's socket listening, before any broker is
+up: none of it imports torch, so that the grader starts its first job before its own
+import of torch, and the two imports share the CPUs.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import os
 import shutil
 import signal
 import socket
 import subprocess
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING
 
 from grader.course.config import RankLimits
 from grader.launch import tmpdir
-from grader.launch.sandboxed import SandboxPlan, last_words
+from grader.launch.sandboxed import SandboxPlan
 from grader.protocol import rank_socket
 from grader.sandbox import DEFAULT_SCRATCH, Level, die_with, view
 
@@ -268,6 +272,64 @@ def node_job(
     return job, socket_dir
 
 
+#: Jobs are numbered per process: several jobs of one run (watch mode's gradings, each on
+#: a fresh job; the reference's) share the run's work folder.
+_JOB_NUMBERS = itertools.count(1)
+
+
+@dataclass
+class Launched:
+    """A job of this machine's ranks, started, with rank r's socket listening at
+    ``listeners[r]``: a rank that connects before the broker accepts waits in the backlog."""
+
+    job: TorchrunJob
+    job_dir: Path
+    socket_dir: Path
+    listeners: list[socket.socket] = field(default_factory=list)
+
+    def end(self) -> None:
+        """Kill the job and remove its sockets (for a job no broker took over)."""
+        self.job.kill()
+        for listener in self.listeners:
+            listener.close()
+        shutil.rmtree(self.socket_dir, ignore_errors=True)
+
+
+def job_folder(settings: JobSettings) -> Path:
+    """Where the run's next job keeps its files (not made yet)."""
+    return settings.work_dir / f"job{next(_JOB_NUMBERS)}"
+
+
+def launch(settings: JobSettings, size: int) -> Launched:
+    """Start a job of ``size`` ranks on this machine, each rank's socket bound and listening."""
+    job_dir = job_folder(settings)
+    socket_dir = prepare_job(settings, job_dir, {})
+    job = TorchrunJob(job_dir, size, RANK_WRAPPER, identity=settings.identity)
+    launched = Launched(job, job_dir, socket_dir)
+    try:
+        launched.listeners = listen(socket_dir, size)
+        launched.job.start()
+    except BaseException:  # an interrupt before the caller holds the job: end what began
+        launched.end()
+        raise
+    return launched
+
+
+def listen(socket_dir: Path, size: int) -> list[socket.socket]:
+    """Every rank's Unix socket in ``socket_dir``, bound and listening for its one connection."""
+    listeners: list[socket.socket] = []
+    try:
+        for rank in range(size):
+            listeners.append(socket.socket(socket.AF_UNIX, socket.SOCK_STREAM))
+            listeners[-1].bind(str(rank_socket(socket_dir, rank)))
+            listeners[-1].listen(1)
+    except BaseException:
+        for listener in listeners:
+            listener.close()
+        raise
+    return listeners
+
+
 def prepare_job(settings: JobSettings, job_dir: Path, relay: dict[str, str]) -> Path:
     """The job's folder, with the sandbox plan its wrappers read; returns its sockets' folder.
 
@@ -302,41 +364,3 @@ def _write_plan(
         device=settings.device,
         **relay,
     ).write(job_dir)
-
-
-PROBE_SECONDS = 60.0  # torch's import in the sandbox, on a loaded machine
-
-
-def probe(settings: JobSettings) -> str | None:
-    """Why a rank of a job with ``settings`` cannot start here, or None when it can.
-
-    Rank 0's wrapper runs as torchrun would start it, in probe mode: the same sandbox
-    command, paths, uid and limits as a graded job, importing the interpreter's torch and
-    the grader's rank side instead of serving calls. Seconds, once per run.
-    """
-    job_dir = settings.work_dir / "probe"
-    env = {**os.environ, "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"}
-    command = [sys.executable, "-m", RANK_WRAPPER, str(job_dir), "--probe"]
-    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)  # bound in, as the broker's
-    socket_dir = None
-    try:
-        socket_dir = prepare_job(settings, job_dir, {})
-        listener.bind(str(rank_socket(socket_dir, 0)))
-        done = subprocess.run(
-            command, env=env, capture_output=True, timeout=PROBE_SECONDS, start_new_session=True
-        )
-    except subprocess.TimeoutExpired:
-        return f"a rank did not start within {PROBE_SECONDS:.0f} s"
-    finally:
-        listener.close()
-        if settings.identity is not None:
-            settings.identity.end_jobs()
-        if socket_dir is not None:
-            shutil.rmtree(socket_dir, ignore_errors=True)
-    if done.returncode == 0:
-        shutil.rmtree(job_dir, ignore_errors=True)
-        return None
-    said = [line.strip() for line in done.stderr.decode(errors="replace").splitlines()]
-    words = last_words(job_dir, 0) or next((line for line in reversed(said) if line), "")
-    shutil.rmtree(job_dir, ignore_errors=True)
-    return words or f"the rank's wrapper exited with status {done.returncode}"

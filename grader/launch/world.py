@@ -37,12 +37,13 @@ from grader.judge.call import (
     poisoned_import,
 )
 from grader.launch.job import (
-    RANK_WRAPPER,
     JobSettings,
+    Launched,
     TorchrunJob,
+    job_folder,
+    launch,
     log_tail,
     node_job,
-    prepare_job,
 )
 from grader.launch.sandboxed import last_words, rank_exit
 from grader.protocol import RankExit
@@ -70,11 +71,6 @@ class _Job:
     job_dir: Path
     socket_dir: Path
     calls: itertools.count = field(default_factory=lambda: itertools.count(1))
-
-
-#: Jobs are numbered per process: several pools of one run (watch mode's gradings, each on
-#: a fresh job) share the run's work folder.
-_JOB_NUMBERS = itertools.count(1)
 
 
 class World:
@@ -131,11 +127,13 @@ class RankPool:
     crashed or hung in is killed whole, and the next call starts a fresh one.
     """
 
-    def __init__(self, size: int, settings: JobSettings) -> None:
+    def __init__(self, size: int, settings: JobSettings, launched: Launched | None = None) -> None:
+        """``launched``: its job, started already (:func:`grader.launch.job.launch`)."""
         self.size = size
         self.settings = settings
         self._job: _Job | None = None
-        self._starting: _Job | None = None  # started ahead, its ranks not yet all connected
+        # started ahead, its ranks not yet all connected
+        self._starting: _Job | None = _served(launched) if launched is not None else None
         self._when_started: list[Callable[[], None]] = []
         # A part whose import ends or hangs the process is not imported again.
         self.poisoned: dict[str, failures.RankFailure] = {}
@@ -224,23 +222,20 @@ class RankPool:
         return self._job
 
     def _launch_job(self) -> _Job:
-        number = next(_JOB_NUMBERS)
-        job_dir = self.settings.work_dir / f"job{number}"
-        broker = Broker(self.size)
         head = self.settings.head
+        if head is None:
+            return _served(launch(self.settings, self.size))
+        # every rank, this node's too, relays to the broker via the head
+        job_dir = job_folder(self.settings)
+        broker = Broker(self.size)
         socket_dir, job = None, None
         try:
-            if head is None:
-                socket_dir = prepare_job(self.settings, job_dir, {})
-                broker.listen_unix(socket_dir)
-                job = TorchrunJob(job_dir, self.size, RANK_WRAPPER, identity=self.settings.identity)
-            else:  # every rank, this node's too, relays to the broker via the head
-                job_id = f"grader-job{number}"
-                per_node = head.nodes.per_node(self.size)
-                head.start_job(job_id, per_node, broker.serve)
-                job, socket_dir = node_job(
-                    self.settings, job_dir, head.nodes, job_id, per_node, head.address, head.key
-                )
+            job_id = f"grader-{job_dir.name}"
+            per_node = head.nodes.per_node(self.size)
+            head.start_job(job_id, per_node, broker.serve)
+            job, socket_dir = node_job(
+                self.settings, job_dir, head.nodes, job_id, per_node, head.address, head.key
+            )
             job.start()
         except BaseException:  # an interrupt before the pool holds the job: end what began
             if job is not None:
@@ -250,8 +245,7 @@ class RankPool:
                 shutil.rmtree(socket_dir, ignore_errors=True)
             raise
         threading.Thread(target=_watch, args=(job, broker), daemon=True).start()
-        if head is not None:
-            head.watch(broker.end_job)
+        head.watch(broker.end_job)
         return _Job(job, broker, job_dir, socket_dir)
 
     def _connected(self, started: _Job) -> _Job:
@@ -311,6 +305,18 @@ class RankPool:
             if job is not None:
                 _end(job)
         self._job = self._starting = None
+
+
+def _served(launched: Launched) -> _Job:
+    """A job of this machine's ranks, ``launched`` already, with its broker now up."""
+    try:
+        broker = Broker(launched.job.per_node)
+        broker.accept_on(launched.listeners)
+    except BaseException:  # an interrupt before the pool holds the job: end it
+        launched.end()
+        raise
+    threading.Thread(target=_watch, args=(launched.job, broker), daemon=True).start()
+    return _Job(launched.job, broker, launched.job_dir, launched.socket_dir)
 
 
 def _end(job: _Job) -> None:

@@ -156,7 +156,7 @@ def unavailable(level: Level) -> str | None:
     """Why this machine cannot give ``level`` at all (no tool, no privilege), else None.
 
     Cheap and path-free: whether the level runs the grader's interpreter on the course's
-    paths is the real probe's to say (``grader.launch.job.probe``).
+    paths is the real probe's to say (``grader.launch.workspace.probe``).
     """
     if level is Level.NONE:
         return None

@@ -151,12 +151,13 @@ def until_its_job(grader: subprocess.Popen[str]) -> set[int]:
 
 @pytest.mark.parametrize("after", [0.0, 3.0])
 def test_sigterm_while_the_first_job_starts_leaves_nothing(after: float, tmp_path: Path):
-    """SIGTERM ``after`` seconds past the start of the first job (its ranks importing torch
-    while the grader collects the tests; then the first test, on a submission whose import
-    hangs): exit status 130, every process ended, every file removed. A job whose ranks were
-    still connecting was neither the pool's running job nor its starting one, and was left
-    with its folders; pytest's collection took the signal for a failure of its own, and the
-    run went on to grade everything."""
+    """SIGTERM ``after`` seconds past the start of the first job (its torchrun and ranks
+    importing torch while the grader imports it and collects the tests; then the first test,
+    on a submission whose import hangs): exit status 130, every process ended, every file
+    removed. A job whose ranks were still connecting was neither the pool's running job nor
+    its starting one, and was left with its folders; pytest's collection took the signal for
+    a failure of its own, and the run went on to grade everything; an interrupt raised inside
+    torch's import goes through C++ and aborts the process."""
     hanging = hanging_submission(tmp_path)
     scratch = tmp_path / "tmp"  # the grader's temporary files, its sockets' folders too
     scratch.mkdir()
@@ -180,10 +181,9 @@ def test_sigterm_while_the_first_job_starts_leaves_nothing(after: float, tmp_pat
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
 def test_a_signal_before_the_first_job_leaves_nothing(signum: int, tmp_path: Path):
-    """SIGTERM or Ctrl-C as soon as the grader made its folder of temporary files, while it
-    imports torch, before any job: exit status 130, no traceback, nothing left. SIGTERM
-    killed it there with its folder left; an interrupt raised inside torch's import goes
-    through C++ and aborts the process."""
+    """SIGTERM or Ctrl-C as soon as the grader made its folder of temporary files, before
+    its first job (while it reads the course, probes the sandbox or starts the job): exit
+    status 130, no traceback, nothing left. SIGTERM killed it there with its folder left."""
     scratch = tmp_path / "tmp"
     scratch.mkdir()
     grader = start_grader(["run", "collectives"], env={"TMPDIR": str(scratch)})
@@ -237,7 +237,9 @@ def test_what_a_killed_grader_left_is_removed_by_the_next(tmp_path: Path):
         killed.kill()
         killed.wait()
         assert_all_ended(processes)
-        assert (left / ".owner").exists() and all(s.exists() for s in sockets)
+        # Its socket folders in /tmp are not checked here: any grader starting meanwhile (a
+        # test beside this one) may already have removed them, as the next one must.
+        assert (left / ".owner").exists()
         live = start_grader(["run", "collectives", "--submission", str(hanging)], env=env)
         processes = until_its_job(live)
         assert not left.exists() and not any(s.exists() for s in sockets)

@@ -26,7 +26,7 @@ import pytest
 from runner import REPO, materialize, run_grader, start_grader
 
 from grader import sandbox
-from grader.grading import UNSANDBOXED
+from grader.launch.workspace import UNSANDBOXED
 from grader.sandbox import identity
 
 root_only = pytest.mark.skipif(

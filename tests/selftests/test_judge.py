@@ -20,6 +20,7 @@ from grader.judge.audit import audit
 from grader.judge.communication import figures, min_rounds
 from grader.judge.projection import machines, project
 from grader.judge.replay import ReplayError
+from grader.launch.job import listen
 from grader.nodes import Nodes, NodesError
 from grader.nodes.channel import connect
 from grader.nodes.head import Head
@@ -93,7 +94,7 @@ class FakeRank:
 @pytest.fixture
 def broker(tmp_path: Path):
     broker = Broker(2)
-    broker.listen_unix(tmp_path)
+    broker.accept_on(listen(tmp_path, 2))
     ranks = [FakeRank(tmp_path, r) for r in range(2)]
     assert broker.wait_connected(time.monotonic() + 5)
     call = Frame({"type": protocol.CALL, "call": 1, "function": "x.y", "args": {}})
@@ -186,7 +187,7 @@ def test_a_message_is_handed_over_only_when_its_rank_waits_for_it(broker) -> Non
 
 def test_a_rank_that_floods_the_grader_is_stopped_at_the_limit(tmp_path: Path) -> None:
     broker = Broker(2, Limits(buffered_bytes=1000, operations=50))
-    broker.listen_unix(tmp_path)
+    broker.accept_on(listen(tmp_path, 2))
     zero, one = (FakeRank(tmp_path, r) for r in range(2))
     assert broker.wait_connected(time.monotonic() + 5)
     call = Frame({"type": protocol.CALL, "call": 1, "function": "x.y", "args": {}})

@@ -1,0 +1,199 @@
+"""Where a run's jobs run: what every grading of one run shares and needs no torch for.
+
+The work folder, the run's uids (as root) and the sandbox level, probed once, are settled
+here, before the grader imports torch; and so the run's first job starts here too
+(:meth:`Workspace.start`). Its torchrun and then its ranks import torch while the grader
+does, instead of after it: on a laptop that is a second and more of every cold
+``grader run``. :class:`grader.grading.Session` takes the job over with the rest.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+from grader import sandbox
+from grader.course import config as course
+from grader.course.config import GradingConfig
+from grader.course.secret import secret_path
+from grader.launch.job import RANK_WRAPPER, JobSettings, Launched, job_settings, launch, prepare_job
+from grader.launch.sandboxed import last_words
+from grader.protocol import rank_socket
+from grader.sandbox import identity as uids
+from grader.sandbox.identity import Identity
+
+#: The review line of a course's run graded at ``none``, asked for by name.
+UNSANDBOXED = (
+    "graded WITHOUT a sandbox (--sandbox none was asked for): the submission's code could "
+    "read the reference, the graded tests and the secret"
+)
+#: How to get each level going, told when it cannot run the ranks.
+_FIXES = {
+    sandbox.Level.NAMESPACES: "run the grader as root, or where bubblewrap may bind the "
+    "course's paths read-only",
+    sandbox.Level.UID: "install Python and the grader where every user may read them (not "
+    "under a 0700 home), or install bubblewrap (apt-get install bubblewrap)",
+}
+#: The device files of the GPUs torch can use (NVIDIA's, ROCm's): with none, the ranks'
+#: device is the CPU, known without importing torch.
+_GPU_DEVICES = (Path("/dev/nvidiactl"), Path("/dev/kfd"))
+
+
+class Workspace:
+    """The work folder, uids, sandbox level and first job of one run.
+
+    ``for_course``: the results are a course's (a results file): never at ``none`` unless
+    that was asked for by name. A level that cannot run the ranks here raises
+    :class:`sandbox.SandboxError` at the first job, before any test.
+    """
+
+    def __init__(
+        self,
+        config: GradingConfig,
+        sandbox_request: str = "auto",
+        for_course: bool = False,
+        device: str = "cpu",
+    ) -> None:
+        self.config, self.sandbox_request, self.for_course = config, sandbox_request, for_course
+        self.device = device  # the ranks': "cpu" or "cuda" (:func:`device`)
+        self.work = Path(tempfile.mkdtemp(prefix="grader-")).resolve()
+        self.level: sandbox.Level | None = None  # chosen at the first job
+        self.identity: Identity | None = None
+        self.started: Launched | None = None  # the first job, until a session takes it
+        try:
+            self.work.chmod(0o711)  # the sandbox's uid may pass through to its socket, scratch
+            (self.work / "import").mkdir()  # bound into every job; staged into at each grading
+            if os.geteuid() == 0 and sys.platform == "linux":
+                self.identity = uids.reserve()
+        except BaseException:  # an interrupt before the caller holds the workspace
+            shutil.rmtree(self.work, ignore_errors=True)
+            raise
+
+    def start(self, size: int) -> None:
+        """Choose the level and start the first job, of ``size`` ranks of this machine."""
+        self.started = launch(self.settings(), size)
+
+    def chosen_level(self) -> sandbox.Level:
+        if self.level is None:
+            identity = self.identity
+            self.level = choose_level(
+                self.sandbox_request,
+                self.for_course,
+                lambda lv: job_settings(self.work, lv, "cpu", identity=identity),
+            )
+        return self.level
+
+    def settings(self) -> JobSettings:
+        level = self.chosen_level()
+        return job_settings(self.work, level, self.device, None, self.config.limits, self.identity)
+
+    def close(self) -> None:
+        """End the first job if no session took it, and remove the work folder; idempotent."""
+        if self.started is not None:
+            self.started.end()
+            self.started = None
+        shutil.rmtree(self.work, ignore_errors=True)
+        if self.identity is not None:
+            self.identity.release()
+            self.identity = None
+
+
+def device() -> str:
+    """Where the ranks keep their tensors: the choice of ``--backend``, else a GPU if any.
+    Imports torch where a GPU's device file is there (call it where an interrupt waits)."""
+    if os.environ.get("GRADER_DEVICE") in ("cpu", "cuda"):
+        return os.environ["GRADER_DEVICE"]
+    if not any(path.exists() for path in _GPU_DEVICES):
+        return "cpu"
+    import torch  # a GPU's device file: whether torch can use it is torch's to say
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def choose_level(
+    request: str, for_course: bool, settings_for: Callable[[sandbox.Level], JobSettings]
+) -> sandbox.Level:
+    """The strongest level asked for that really runs a rank here (:func:`probe`, with
+    the settings of this run); ``none`` for a course's run only when asked for by name.
+
+    Raises :class:`sandbox.SandboxError`, one line naming each level's cause and fix.
+    """
+    named = sandbox.requested(request)
+    tried: list[str] = []
+    for level in sandbox.candidates(request):
+        if level is sandbox.Level.NONE and for_course and named != "none":
+            tried.append(
+                "a run that writes results for a course does not grade unsandboxed "
+                "unless --sandbox none is given"
+            )
+            break
+        why = sandbox.unavailable(level)
+        if why is None and level is not sandbox.Level.NONE:
+            settings = settings_for(level)
+            why = probe(settings)
+            why = why and f"a rank cannot start: {why} ({_FIXES[level]})"
+            if why is None and level is sandbox.Level.UID:
+                why = _exposed(settings)
+        if why is None:
+            return level
+        tried.append(f"{level.value}: {why}")
+    raise sandbox.SandboxError("cannot sandbox the ranks here: " + "; ".join(tried))
+
+
+def _exposed(settings: JobSettings) -> str | None:
+    """At ``uid`` only permissions hide the course: which part a rank could read, if any."""
+    course_files = [course.REPO_ROOT / "reference", course.GRADED_DIR, secret_path()]
+    assert settings.identity is not None
+    uid = settings.identity.uid(0)
+    readable = uids.readable_by([p for p in course_files if p.exists()], uid, uid)
+    if not readable:
+        return None
+    return (
+        f"the ranks' uid can read {readable[0]} (make the course unreadable to others: "
+        f"chmod -R o-rwx {course.REPO_ROOT})"
+    )
+
+
+PROBE_SECONDS = 60.0  # a sandboxed interpreter's start, on a loaded machine
+
+
+def probe(settings: JobSettings) -> str | None:
+    """Why a rank of a job with ``settings`` cannot start here, or None when it can.
+
+    Rank 0's wrapper runs as torchrun would start it, in probe mode: the same sandbox
+    command, paths, uid and limits as a graded job, opening the sources of torch and of the
+    grader's rank side instead of serving calls (:data:`grader.launch.sandboxed.PROBE`).
+    A fifth of a second, once per run.
+    """
+    job_dir = settings.work_dir / "probe"
+    env = {**os.environ, "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"}
+    command = [sys.executable, "-m", RANK_WRAPPER, str(job_dir), "--probe"]
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)  # bound in, as the broker's
+    socket_dir = None
+    try:
+        socket_dir = prepare_job(settings, job_dir, {})
+        listener.bind(str(rank_socket(socket_dir, 0)))
+        done = subprocess.run(
+            command, env=env, capture_output=True, timeout=PROBE_SECONDS, start_new_session=True
+        )
+    except subprocess.TimeoutExpired:
+        return f"a rank did not start within {PROBE_SECONDS:.0f} s"
+    finally:
+        listener.close()
+        if settings.identity is not None:
+            settings.identity.end_jobs()
+        if socket_dir is not None:
+            shutil.rmtree(socket_dir, ignore_errors=True)
+    if done.returncode == 0:
+        shutil.rmtree(job_dir, ignore_errors=True)
+        return None
+    said = [line.strip() for line in done.stderr.decode(errors="replace").splitlines()]
+    words = last_words(job_dir, 0) or next((line for line in reversed(said) if line), "")
+    shutil.rmtree(job_dir, ignore_errors=True)
+    return words or f"the rank's wrapper exited with status {done.returncode}"
