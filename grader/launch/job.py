@@ -169,9 +169,13 @@ class TorchrunJob:
         if self._process is None:
             return
         workers = {pid for pid in self.worker_pids if _is_worker(pid)}  # not a reused pid
-        for pid in {*descendants(self._process.pid), *workers}:
+        if self._process.poll() is None:  # torchrun's pid is still its own, even as a zombie
+            workers |= set(descendants(self._process.pid))
+            _signal_group(self._process.pid, signal.SIGKILL)
+        # else torchrun was reaped (it exited, or an earlier kill): its pid may be another
+        # process's by now, and its orphans are no longer its descendants
+        for pid in workers:
             _signal(pid, signal.SIGKILL)
-        _signal_group(self._process.pid, signal.SIGKILL)
         self._process.wait()
         if self.identity is not None:  # a daemon that escaped the process tree
             self.identity.end_jobs()
@@ -288,7 +292,7 @@ class Launched:
     listeners: list[socket.socket] = field(default_factory=list)
 
     def end(self) -> None:
-        """Kill the job and remove its sockets (for a job no broker took over)."""
+        """Kill the job and remove its sockets: a job no pool holds."""
         self.job.kill()
         for listener in self.listeners:
             listener.close()
@@ -303,16 +307,20 @@ def job_folder(settings: JobSettings) -> Path:
 def launch(settings: JobSettings, size: int) -> Launched:
     """Start a job of ``size`` ranks on this machine, each rank's socket bound and listening."""
     job_dir = job_folder(settings)
-    socket_dir = prepare_job(settings, job_dir, {})
     job = TorchrunJob(job_dir, size, RANK_WRAPPER, identity=settings.identity)
-    launched = Launched(job, job_dir, socket_dir)
+    socket_dir, listeners = None, []
     try:
-        launched.listeners = listen(socket_dir, size)
-        launched.job.start()
+        socket_dir = prepare_job(settings, job_dir, {})
+        listeners = listen(socket_dir, size)
+        job.start()
+        return Launched(job, job_dir, socket_dir, listeners)
     except BaseException:  # an interrupt before the caller holds the job: end what began
-        launched.end()
+        job.kill()
+        for listener in listeners:
+            listener.close()
+        if socket_dir is not None:
+            shutil.rmtree(socket_dir, ignore_errors=True)
         raise
-    return launched
 
 
 def listen(socket_dir: Path, size: int) -> list[socket.socket]:

@@ -2,13 +2,16 @@
 
 The work folder, the run's uids (as root) and the sandbox level, probed once, are settled
 here, before the grader imports torch; and so the run's first job starts here too
-(:meth:`Workspace.start`). Its torchrun and then its ranks import torch while the grader
-does, instead of after it: on a laptop that is a second and more of every cold
-``grader run``. :class:`grader.grading.Session` takes the job over with the rest.
+(:meth:`Workspace.start`; not for a run across nodes, which starts its jobs through its
+head). Its torchrun and then its ranks import torch while the grader does, instead of after
+it: on a laptop that is a second and more of every cold ``grader run``. Only where there may
+be a GPU does the grader import torch first, to ask it for the ranks' device (:func:`device`).
+:class:`grader.grading.Session` takes the job over with the rest.
 """
 
 from __future__ import annotations
 
+import ctypes.util
 import os
 import shutil
 import socket
@@ -40,9 +43,16 @@ _FIXES = {
     sandbox.Level.UID: "install Python and the grader where every user may read them (not "
     "under a 0700 home), or install bubblewrap (apt-get install bubblewrap)",
 }
-#: The device files of the GPUs torch can use (NVIDIA's, ROCm's): with none, the ranks'
-#: device is the CPU, known without importing torch.
-_GPU_DEVICES = (Path("/dev/nvidiactl"), Path("/dev/kfd"))
+#: Signs of a GPU that torch might use: NVIDIA's driver loaded or its device files (WSL's,
+#: Jetson's too), ROCm's. With none of them and no CUDA driver library, the ranks' device is
+#: the CPU, known without importing torch; with any, torch is asked.
+_GPU_SIGNS = (
+    Path("/proc/driver/nvidia"),
+    Path("/dev/nvidiactl"),
+    Path("/dev/dxg"),
+    Path("/dev/nvhost-ctrl-gpu"),
+    Path("/dev/kfd"),
+)
 
 
 class Workspace:
@@ -50,7 +60,8 @@ class Workspace:
 
     ``for_course``: the results are a course's (a results file): never at ``none`` unless
     that was asked for by name. A level that cannot run the ranks here raises
-    :class:`sandbox.SandboxError` at the first job, before any test.
+    :class:`sandbox.SandboxError` where the level is first needed (the first job, or across
+    nodes the first grading), before any test.
     """
 
     def __init__(
@@ -109,9 +120,9 @@ def device() -> str:
     Imports torch where a GPU's device file is there (call it where an interrupt waits)."""
     if os.environ.get("GRADER_DEVICE") in ("cpu", "cuda"):
         return os.environ["GRADER_DEVICE"]
-    if not any(path.exists() for path in _GPU_DEVICES):
+    if not any(path.exists() for path in _GPU_SIGNS) and ctypes.util.find_library("cuda") is None:
         return "cpu"
-    import torch  # a GPU's device file: whether torch can use it is torch's to say
+    import torch  # a GPU may be there: whether torch can use it is torch's to say
 
     return "cuda" if torch.cuda.is_available() else "cpu"
 

@@ -309,14 +309,17 @@ class RankPool:
 
 def _served(launched: Launched) -> _Job:
     """A job of this machine's ranks, ``launched`` already, with its broker now up."""
+    broker = None
     try:
         broker = Broker(launched.job.per_node)
         broker.accept_on(launched.listeners)
+        threading.Thread(target=_watch, args=(launched.job, broker), daemon=True).start()
+        return _Job(launched.job, broker, launched.job_dir, launched.socket_dir)
     except BaseException:  # an interrupt before the pool holds the job: end it
+        if broker is not None:
+            broker.close()
         launched.end()
         raise
-    threading.Thread(target=_watch, args=(launched.job, broker), daemon=True).start()
-    return _Job(launched.job, broker, launched.job_dir, launched.socket_dir)
 
 
 def _end(job: _Job) -> None:

@@ -1,5 +1,6 @@
 """A run's workspace starts its first job before the grader imports torch, and ends it when
-no session took it over (``grader.launch.workspace``)."""
+no session took it over (``grader.launch.workspace``); ending a job signals no process that
+is not its own (``grader.launch.job``)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from runner import REPO, assert_all_ended
+
+from grader.launch import job as jobs
+from grader.launch.job import TorchrunJob
 
 # In a process of its own: the test process has torch imported already.
 START_AND_CLOSE = """
@@ -58,3 +63,22 @@ def test_the_first_job_starts_without_torch_and_ends_with_the_workspace(tmp_path
     assert not Path(seen["work"]).exists()
     assert not Path(seen["socket_dir"]).exists()
     assert not list(tmp_path.iterdir()), list(tmp_path.iterdir())
+
+
+def test_a_job_whose_torchrun_was_reaped_never_signals_its_pid(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    """Once torchrun exited and was reaped (the pool's watcher waits on it), its pid, and the
+    process group it led, may be another process's: ending the job then signals neither, only
+    the ranks it recorded that are still ranks. Before, it signalled both: under `grader
+    batch`, the group might have been another grader's torchrun by then."""
+    (tmp_path / "job").mkdir()
+    job = TorchrunJob(tmp_path / "job", 1, "grader.no_such_module")  # its rank fails at once
+    job.start()
+    assert job.wait() != 0
+    signalled: list[int] = []
+    monkeypatch.setattr(jobs, "_signal", lambda pid, sig: signalled.append(pid))
+    monkeypatch.setattr(jobs, "_signal_group", lambda pgid, sig: signalled.append(pgid))
+    job.kill()
+    job.kill()
+    assert signalled == []
