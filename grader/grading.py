@@ -91,12 +91,11 @@ class Session:
         self.close()
 
     def close(self) -> None:
-        """End every job and remove the work folder; idempotent."""
+        """End every job; idempotent. The workspace is its maker's to close."""
         for pool in (self._next, self._reference):
             if pool is not None:
                 pool.close()
         self._next = self._reference = None
-        self.workspace.close()
 
     def grade(self, tests: list[GradedTest], submission: Path, listener: Listener) -> GradingRun:
         """Grade ``tests``: one result per test, in their order. On Ctrl-C or SIGTERM, every

@@ -31,7 +31,8 @@ def watch(
     console: Console, session: Session, tests: list[GradedTest], submission: Path, verbose: bool
 ) -> None:
     """Grade, print the summary, wait for a change, again, until interrupted (Ctrl-C or
-    SIGTERM); then close ``session`` (made ``warm``): every job ended, every file removed."""
+    SIGTERM); then close ``session`` (made ``warm``): every job ended (its
+    workspace, and with it every file, is closed by the caller)."""
     from grader.grading import Listener
     from grader.report.terminal import ProgressDisplay, print_summary
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 import ctypes.util
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -25,9 +24,16 @@ from grader import sandbox
 from grader.course import config as course
 from grader.course.config import GradingConfig
 from grader.course.secret import secret_path
-from grader.launch.job import RANK_WRAPPER, JobSettings, Launched, job_settings, launch, prepare_job
+from grader.launch.job import (
+    RANK_WRAPPER,
+    JobSettings,
+    Launched,
+    job_settings,
+    launch,
+    listen,
+    prepare_job,
+)
 from grader.launch.sandboxed import last_words
-from grader.protocol import rank_socket
 from grader.sandbox import identity as uids
 from grader.sandbox.identity import Identity
 
@@ -185,18 +191,18 @@ def probe(settings: JobSettings) -> str | None:
     job_dir = settings.work_dir / "probe"
     env = {**os.environ, "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"}
     command = [sys.executable, "-m", RANK_WRAPPER, str(job_dir), "--probe"]
-    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)  # bound in, as the broker's
-    socket_dir = None
+    socket_dir, listeners = None, []
     try:
         socket_dir = prepare_job(settings, job_dir, {})
-        listener.bind(str(rank_socket(socket_dir, 0)))
+        listeners = listen(socket_dir, 1)  # bound in, as a graded job's are
         done = subprocess.run(
             command, env=env, capture_output=True, timeout=PROBE_SECONDS, start_new_session=True
         )
     except subprocess.TimeoutExpired:
         return f"a rank did not start within {PROBE_SECONDS:.0f} s"
     finally:
-        listener.close()
+        for listener in listeners:
+            listener.close()
         if settings.identity is not None:
             settings.identity.end_jobs()
         if socket_dir is not None:
