@@ -39,6 +39,8 @@ def main(socket_path: str, import_dir: Path) -> int:
     rank = int(os.environ["RANK"])
     world_size = int(os.environ["WORLD_SIZE"])
     sys.path[:0] = [str(import_dir)]
+    sys.path_hooks.insert(0, fresh.compiled_once(import_dir))
+    sys.path_importer_cache.pop(str(import_dir), None)
     frames.configure(import_dir)
     link = BrokerLink(socket_path, rank)
     main_thread = threading.main_thread().ident

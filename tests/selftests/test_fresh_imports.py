@@ -12,6 +12,7 @@ submission set on keeping state reaches there.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from runner import SUBMISSIONS
@@ -26,8 +27,12 @@ FIRST, SECOND = [1] * 5, [2] * 5  # each place's count of calls, in a test's fir
 
 
 @pytest.fixture(scope="module")
-def pool(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RankPool]:
-    work = tmp_path_factory.mktemp("fresh")
+def work(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("fresh")
+
+
+@pytest.fixture(scope="module")
+def pool(work: Path) -> Iterator[RankPool]:
     stage(SUBMISSIONS / "state_between_tests", work / "import")
     pool = RankPool(2, job_settings(work, sandbox.detect("auto"), "cpu"))
     yield pool
@@ -60,3 +65,21 @@ def test_a_module_put_in_place_of_a_library_one_is_dropped(pool: RankPool) -> No
     assert second.call("collectives.in_place_of_library", [()] * 2).returned == [2, 2]
     third = World(2, pool, CallLimits(timeout=60))
     assert third.call("collectives.in_place_of_library", [()] * 2).returned == [1, 1]
+
+
+def test_a_file_whose_text_changed_is_compiled_anew(pool: RankPool, work: Path) -> None:
+    """A rank compiles each file of the submission once for the same text (``CompiledOnce``),
+    and runs it afresh in every test: a staged file changed between two tests runs as it
+    now reads, and as it read before once its text is back."""
+    staged = work / "import" / "assignments" / "helper.py"
+    before = staged.read_text()
+    World(2, pool, CallLimits(timeout=60)).call(CALLS, [()] * 2)
+    staged.chmod(0o644)
+    try:
+        staged.write_text(before.replace("calls = 0", "calls = 40"))
+        changed = World(2, pool, CallLimits(timeout=60))
+        assert [counts[1] for counts, *_ in changed.call(CALLS, [()] * 2).returned] == [41, 41]
+    finally:
+        staged.write_text(before)
+    again = World(2, pool, CallLimits(timeout=60))
+    assert [counts[1] for counts, *_ in again.call(CALLS, [()] * 2).returned] == [1, 1]
