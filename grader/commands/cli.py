@@ -37,7 +37,7 @@ from grader.commands import interrupts
 from grader.commands.options import UsageError, parser
 from grader.course.config import ConfigError, GradingConfig, activate, find_config, load_config
 from grader.course.submission import SubmissionError, resolve
-from grader.launch import tmpdir
+from grader.launch import orphans, tmpdir
 from grader.launch.workspace import Workspace, device
 from grader.nodes import Nodes, NodesError
 
@@ -59,8 +59,10 @@ def main(argv: list[str] | None = None) -> int:
     Everything the grader and its children make in the temporary directory (torch too,
     whose compiler makes a cache there as soon as an optimizer first steps) lies in one
     folder of this process's, removed when it exits; one that a killed grader left is
-    removed here (:mod:`grader.launch.tmpdir`)."""
+    removed here (:mod:`grader.launch.tmpdir`). What it starts and is orphaned becomes its
+    child, and is ended before it exits (:mod:`grader.launch.orphans`)."""
     claim = None
+    orphans.adopt()
     try:
         with interrupts.sigterm_is_ctrl_c():
             try:
@@ -68,8 +70,9 @@ def main(argv: list[str] | None = None) -> int:
                     claim = tmpdir.Claim()
                 return _main(argv)
             finally:
-                if claim is not None:
-                    with interrupts.held():  # removed whole, even if a signal comes
+                with interrupts.held():  # removed whole, even if a signal comes
+                    orphans.end()
+                    if claim is not None:
                         claim.release()
     except KeyboardInterrupt:  # before a command could stop what it started, or after
         print("interrupted", file=sys.stderr)

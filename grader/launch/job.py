@@ -3,9 +3,10 @@
 Killing torchrun alone leaves its workers running (pytest-timeout issue #159),
 and torchrun starts each worker in a session of its own, so that even its
 process group does not hold them. A job is therefore ended by SIGKILL to every
-process descended from torchrun, found through /proc *before* torchrun dies
-(afterwards its orphans belong to init), and then to torchrun's own group.
-Nothing is lost: every result is on disk already.
+process descended from torchrun, found through /proc *before* torchrun dies,
+and then to torchrun's own group; whatever escapes, orphaned, is ended by the
+grader that adopted it (:mod:`grader.launch.orphans`). Nothing is lost: every
+result is on disk already.
 
 The job's folder (the sandbox plan its rank wrappers read, and a short
 folder for the ranks' sockets) is made here too: :func:`prepare_job`, and
@@ -32,7 +33,7 @@ from types import TracebackType
 from typing import TYPE_CHECKING
 
 from grader.course.config import RankLimits
-from grader.launch import tmpdir
+from grader.launch import orphans, tmpdir
 from grader.launch.sandboxed import SandboxPlan
 from grader.protocol import rank_socket
 from grader.sandbox import DEFAULT_SCRATCH, Level, die_with, view
@@ -155,6 +156,7 @@ class TorchrunJob:
                 # the grader killed: torchrun and its ranks go too
                 preexec_fn=functools.partial(die_with, os.getpid()),
             )
+        orphans.started(self._process)
 
     def running(self) -> bool:
         return self._process is not None and self._process.poll() is None
@@ -179,6 +181,8 @@ class TorchrunJob:
         self._process.wait()
         if self.identity is not None:  # a daemon that escaped the process tree
             self.identity.end_jobs()
+        orphans.end()  # a rank's bwrap killed as it started left its child (this job's, or
+        # an earlier one's that was not handed over yet)
 
     def log_tail(self, lines: int = 5) -> str:
         return log_tail(self.job_dir, lines)

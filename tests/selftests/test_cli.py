@@ -18,6 +18,7 @@ from runner import (
     assert_all_ended,
     command_line,
     materialize,
+    naming,
     run_grader,
     start_grader,
 )
@@ -176,6 +177,7 @@ def test_sigterm_while_the_first_job_starts_leaves_nothing(after: float, tmp_pat
     assert grader.returncode == 130, out + err
     assert "Traceback" not in err, err
     assert_all_ended(started)
+    assert_all_ended(naming(scratch))  # a bwrap forked after the last look, orphaned too
     assert not list(scratch.iterdir()), list(scratch.iterdir())
 
 

@@ -1,0 +1,107 @@
+"""What a killed job leaves behind is the grader's to end.
+
+Killing a job ends torchrun and each rank's wrapper at once; what they started dies with its
+parent (``PR_SET_PDEATHSIG``, set before each exec). One moment escapes that: bubblewrap's
+child, the sandbox's first process, waits on an eventfd for its parent to finish the
+namespaces, and an eventfd has no end of file. A bwrap killed in that moment leaves its child
+blocked there for good, a root process that init inherits (seen with bubblewrap 0.8: once
+in about 130 SIGTERMs sent to a grader while its first job's ranks were starting).
+
+So a command of ``grader`` makes itself the subreaper of everything it starts
+(:func:`adopt`, ``PR_SET_CHILD_SUBREAPER``): an orphan below it becomes its child instead of
+init's. :func:`end` kills and reaps every child of its that it did not start itself
+(:func:`started`): after each job it kills, and before it exits. Only children in another
+session than the grader's are taken for orphans: a helper that a library starts in the
+grader's own session is left alone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import ctypes.util
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+_PR_SET_CHILD_SUBREAPER = 36
+_lock = threading.Lock()
+_adopting = False  # this process is a subreaper: its orphans are its to end
+_ours: dict[int, subprocess.Popen] = {}  # what it started itself, by pid
+
+
+def adopt() -> None:
+    """From now on, what this process starts and is orphaned becomes its child (Linux; a
+    no-op elsewhere, where the orphans go to init as before)."""
+    global _adopting
+    if sys.platform != "linux":
+        return
+    libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+    if libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0:
+        _adopting = True
+
+
+def started(process: subprocess.Popen) -> None:
+    """``process`` is this process's own child, never an orphan to end."""
+    with _lock:
+        _ours[process.pid] = process
+
+
+def end(timeout: float = 5.0) -> list[int]:
+    """Kill and reap every orphan this process adopted, and those that their deaths hand
+    over in turn (an orphaned bwrap's child), each waited for until ``timeout`` seconds from
+    now at most; the pids ended."""
+    if not _adopting:
+        return []
+    deadline = time.monotonic() + timeout
+    ended: list[int] = []
+    while orphans := [pid for pid in _orphans() if pid not in ended]:
+        for pid in orphans:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        for pid in orphans:  # once one is dead, its own children are this process's
+            _reap(pid, deadline)
+        ended += orphans
+    return ended
+
+
+def _reap(pid: int, deadline: float) -> None:
+    while time.monotonic() < deadline:
+        try:
+            if os.waitpid(pid, os.WNOHANG)[0]:
+                return
+        except ChildProcessError:
+            return
+        time.sleep(0.001)
+
+
+def _orphans() -> list[int]:
+    """This process's children that it did not start, in another session than its own."""
+    me, session = os.getpid(), os.getsid(0)
+    with _lock:
+        for pid in [p for p, process in _ours.items() if process.returncode is not None]:
+            del _ours[pid]  # reaped: the pid may be anyone's by now
+        ours = set(_ours)
+    return [
+        pid
+        for pid, parent, sid in _processes()
+        if parent == me and pid not in ours and sid != session
+    ]
+
+
+def _processes() -> list[tuple[int, int, int]]:
+    """(pid, parent, session) of every process in /proc."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as stat:
+                fields = stat.read().rsplit(")", 1)[1].split()  # state, ppid, pgrp, session...
+            found.append((int(entry), int(fields[1]), int(fields[3])))
+        except (OSError, IndexError, ValueError):
+            continue
+    return found
