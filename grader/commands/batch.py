@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from grader.launch import orphans
 from grader.protocol import clean
 
 GRADEBOOK, FAILURES, SETTINGS = "gradebook.csv", "failures.txt", "batch.json"
@@ -213,6 +214,7 @@ def _grade(batch: Batch, todo: list[str], failures: dict[str, str]) -> None:
                 continue
             running.remove(run)
             status = _stop([run.process])[0] if timed_out else run.process.wait()
+            orphans.end()  # what a grader stopped by SIGKILL left, handed to the batch
             why = _finish(batch, run, status, timed_out)
             if why is not None:
                 failures[run.student] = why
@@ -253,6 +255,7 @@ def _start(batch: Batch, student: str) -> _Running:
             env={**os.environ, "NO_COLOR": "1", "COLUMNS": "120"},
             start_new_session=True,
         )
+    orphans.started(process)  # its own child: never taken for an orphan of a killed job
     return _Running(student, process, time.monotonic())
 
 

@@ -71,9 +71,11 @@ def main(argv: list[str] | None = None) -> int:
                 return _main(argv)
             finally:
                 with interrupts.held():  # removed whole, even if a signal comes
-                    orphans.end()
-                    if claim is not None:
-                        claim.release()
+                    try:
+                        orphans.end()
+                    finally:
+                        if claim is not None:
+                            claim.release()
     except KeyboardInterrupt:  # before a command could stop what it started, or after
         print("interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED

@@ -4,15 +4,16 @@ Killing a job ends torchrun and each rank's wrapper at once; what they started d
 parent (``PR_SET_PDEATHSIG``, set before each exec). One moment escapes that: bubblewrap's
 child, the sandbox's first process, waits on an eventfd for its parent to finish the
 namespaces, and an eventfd has no end of file. A bwrap killed in that moment leaves its child
-blocked there for good, a root process that init inherits (seen with bubblewrap 0.8: once
+blocked there for good, a process (root's, for a grader run as root) that init inherits
+(seen with bubblewrap 0.8: once
 in about 130 SIGTERMs sent to a grader while its first job's ranks were starting).
 
 So a command of ``grader`` makes itself the subreaper of everything it starts
 (:func:`adopt`, ``PR_SET_CHILD_SUBREAPER``): an orphan below it becomes its child instead of
-init's. :func:`end` kills and reaps every child of its that it did not start itself
-(:func:`started`): after each job it kills, and before it exits. Only children in another
-session than the grader's are taken for orphans: a helper that a library starts in the
-grader's own session is left alone.
+init's. :func:`end` kills and reaps every child of its that it did not register as its own
+(:func:`started`: each job's torchrun, each of a batch's graders): after each job it kills,
+and before it exits. Only children in another session than the grader's are taken for
+orphans: a helper that a library starts in the grader's own session is left alone.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ _PR_SET_CHILD_SUBREAPER = 36
 _lock = threading.Lock()
 _adopting = False  # this process is a subreaper: its orphans are its to end
 _ours: dict[int, subprocess.Popen] = {}  # what it started itself, by pid
+_stuck: set[int] = set()  # orphans SIGKILLed that did not die within an end()'s timeout
 
 
 def adopt() -> None:
@@ -58,24 +60,28 @@ def end(timeout: float = 5.0) -> list[int]:
         return []
     deadline = time.monotonic() + timeout
     ended: list[int] = []
-    while orphans := [pid for pid in _orphans() if pid not in ended]:
+    while time.monotonic() < deadline and (
+        orphans := [pid for pid in _orphans() if pid not in ended and pid not in _stuck]
+    ):
         for pid in orphans:
-            with contextlib.suppress(ProcessLookupError):
+            with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.kill(pid, signal.SIGKILL)
         for pid in orphans:  # once one is dead, its own children are this process's
-            _reap(pid, deadline)
+            if not _reaped(pid, deadline):
+                _stuck.add(pid)  # not waited for again (a process in uninterruptible sleep)
         ended += orphans
     return ended
 
 
-def _reap(pid: int, deadline: float) -> None:
+def _reaped(pid: int, deadline: float) -> bool:
     while time.monotonic() < deadline:
         try:
             if os.waitpid(pid, os.WNOHANG)[0]:
-                return
+                return True
         except ChildProcessError:
-            return
+            return True
         time.sleep(0.001)
+    return False
 
 
 def _orphans() -> list[int]:
