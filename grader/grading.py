@@ -19,10 +19,12 @@ import signal
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import FrameType
 
 import pytest
 
 from grader import protocol, sandbox
+from grader.commands.interrupts import Interrupted
 from grader.course import config as course
 from grader.course.catalog import GradedTest, WorldSizes, graded_pytest
 from grader.course.config import TIMED, GradingConfig
@@ -212,11 +214,15 @@ def _run_tests(
     said = io.StringIO()
     interrupts: list[int] = []
 
-    def interrupt(signum: int, frame: object) -> None:
+    def interrupt(signum: int, frame: FrameType | None) -> None:
         interrupts.append(signum)  # remembered: pytest may report it in any way
-        raise KeyboardInterrupt
+        raise Interrupted
 
-    previous = {sig: signal.signal(sig, interrupt) for sig in (signal.SIGINT, signal.SIGTERM)}
+    previous = {
+        sig: signal.signal(sig, interrupt)
+        for sig in (signal.SIGINT, signal.SIGTERM)
+        if signal.getsignal(sig) != signal.SIG_IGN  # a signal ignored stays so
+    }
     try:
         with graded_pytest(), contextlib.redirect_stdout(said), contextlib.redirect_stderr(said):
             code = pytest.main(arguments, plugins=[WorldSizes(config), plugin])
@@ -224,7 +230,7 @@ def _run_tests(
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     if interrupts:
-        raise KeyboardInterrupt
+        raise Interrupted
     failure = plugin.grader_failure
     if code in _BROKEN and failure is None:
         last = [line for line in said.getvalue().splitlines() if line.strip()][-1:]

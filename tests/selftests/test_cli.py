@@ -17,6 +17,7 @@ from runner import (
     SUBMISSIONS,
     assert_all_ended,
     command_line,
+    ends_with_the_tests,
     materialize,
     naming,
     run_grader,
@@ -179,6 +180,42 @@ def test_sigterm_while_the_first_job_starts_leaves_nothing(after: float, tmp_pat
     assert_all_ended(started)
     assert_all_ended(naming(scratch))  # a bwrap forked after the last look, orphaned too
     assert not list(scratch.iterdir()), list(scratch.iterdir())
+
+
+STOPPED_IN_EXEC = """
+import os, signal, sys, threading
+from grader.commands import interrupts
+
+def main():
+    with interrupts.sigterm_is_ctrl_c():
+        try:
+            threading.Timer(0.2, os.kill, (os.getpid(), signal.SIG{name})).start()
+            exec("while True: pass")  # as a dataclass's methods are made, at an import
+        except KeyboardInterrupt:
+            return 130
+    return 0
+
+sys.exit(main())
+"""
+
+
+@pytest.mark.parametrize("name", ["TERM", "INT"])
+def test_an_interrupt_inside_exec_still_exits_130(name: str, tmp_path: Path):
+    """Under ``python -m`` (as ``grader batch`` and the Gradescope script run the grader),
+    CPython ended a program whose builtin KeyboardInterrupt had passed out of ``exec`` of a
+    string by SIGINT at exit, whatever it returned: status -2, with nothing printed, for a
+    grader stopped while it imported a module. The grader's own KeyboardInterrupt is not
+    remembered so."""
+    (tmp_path / "stopped.py").write_text(STOPPED_IN_EXEC.replace("{name}", name))
+    done = subprocess.run(
+        ends_with_the_tests([sys.executable, "-m", "stopped"]),
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 130, done.stderr
 
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
