@@ -189,7 +189,8 @@ def _grade(
         return EXIT_INTERRUPTED  # watching ends only so
     try:
         return _run(console, session, tests, submission, args.results, args.verbose)
-    except KeyboardInterrupt:  # the grading was over: its results were being told
+    except KeyboardInterrupt:  # before the grading began, or while its results were told
+        console.print("[bold red]interrupted[/]: every worker was stopped")
         return EXIT_INTERRUPTED
 
 

@@ -176,6 +176,7 @@ def test_sigterm_while_the_first_job_starts_leaves_nothing(after: float, tmp_pat
         if grader.poll() is None:
             os.killpg(grader.pid, signal.SIGKILL)
     assert grader.returncode == 130, out + err
+    assert "interrupted" in out + err, out + err
     assert "Traceback" not in err, err
     assert_all_ended(started)
     assert_all_ended(naming(scratch))  # a bwrap forked after the last look, orphaned too
