@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from grader.launch import orphans
+from grader.launch.job import descendants
 from grader.protocol import clean
 
 GRADEBOOK, FAILURES, SETTINGS = "gradebook.csv", "failures.txt", "batch.json"
@@ -293,29 +294,12 @@ def _stop(processes: list[subprocess.Popen]) -> list[int]:
         with contextlib.suppress(subprocess.TimeoutExpired):
             process.wait(timeout=max(0.0, deadline - time.monotonic()))
         if process.poll() is None:
-            for pid in [*_descendants(process.pid), process.pid]:
+            for pid in [*descendants(process.pid), process.pid]:  # workers: own sessions
                 with contextlib.suppress(ProcessLookupError, PermissionError):
                     os.kill(pid, signal.SIGKILL)
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(process.pid, signal.SIGKILL)
     return [process.wait() for process in processes]
-
-
-def _descendants(pid: int) -> list[int]:
-    """Every process below ``pid`` (from /proc): torchrun's workers run in their own sessions."""
-    children: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue
-        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
-    found, frontier = [], [pid]
-    while frontier:
-        below = children.get(frontier.pop(), [])
-        found += below
-        frontier += below
-    return found
 
 
 def _last_line(log: Path) -> str:

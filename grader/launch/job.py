@@ -213,14 +213,8 @@ def log_tail(job_dir: Path, lines: int = 5) -> str:
 def descendants(root: int) -> list[int]:
     """Every live process below ``root`` in the process tree (Linux /proc)."""
     children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as stat:
-                    parent = int(stat.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(parent, []).append(int(entry))
+    for pid, parent, _ in orphans.processes():
+        children.setdefault(parent, []).append(pid)
     found, frontier = [], [root]
     while frontier:
         for child in children.get(frontier.pop(), []):

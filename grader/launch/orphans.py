@@ -5,8 +5,8 @@ parent (``PR_SET_PDEATHSIG``, set before each exec). One moment escapes that: bu
 child, the sandbox's first process, waits on an eventfd for its parent to finish the
 namespaces, and an eventfd has no end of file. A bwrap killed in that moment leaves its child
 blocked there for good, a process (root's, for a grader run as root) that init inherits
-(seen with bubblewrap 0.8: once
-in about 130 SIGTERMs sent to a grader while its first job's ranks were starting).
+(seen with bubblewrap 0.8: once in about 130 SIGTERMs sent to a grader while its first job's
+ranks were starting).
 
 So a command of ``grader`` makes itself the subreaper of everything it starts
 (:func:`adopt`, ``PR_SET_CHILD_SUBREAPER``): an orphan below it becomes its child instead of
@@ -93,13 +93,14 @@ def _orphans() -> list[int]:
         ours = set(_ours)
     return [
         pid
-        for pid, parent, sid in _processes()
+        for pid, parent, sid in processes()
         if parent == me and pid not in ours and sid != session
     ]
 
 
-def _processes() -> list[tuple[int, int, int]]:
-    """(pid, parent, session) of every process in /proc."""
+def processes() -> list[tuple[int, int, int]]:
+    """(pid, parent, session) of every process in /proc: the one reading of the process
+    tree (:func:`grader.launch.job.descendants` too)."""
     found = []
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
