@@ -107,8 +107,9 @@ class BrokerSegment:
             os.close(fd)
             raise
         self.fd = fd  # passed to the rank once, then closed here (-1)
-        # The rank's reader thread copies out of the map without the broker's lock (``take``);
-        # this lock keeps the map open meanwhile.
+        # The broker copies out of the map and into it without its own lock (``take`` on the
+        # rank's reader thread, ``place`` on whichever writes to the rank): this lock keeps
+        # the map open meanwhile.
         self._taking = threading.Lock()
         self._closed = False
         self.out = Ring(CONTROL_BYTES, RING_BYTES)
@@ -157,13 +158,16 @@ class BrokerSegment:
         fit there."""
         if not frame.buffers or not self.mapped:
             return frame
-        claimed = _COUNTER.unpack_from(self.map, _IN_READ)[0]
-        self._seen = min(max(claimed, self._seen), self.into.head)  # a hint, kept in bounds
-        places = self.into.reserve([len(b) for b in frame.buffers], self._seen)
-        if places is None:
-            return frame
-        for place, buffer in zip(places, frame.buffers, strict=True):
-            _write(self.map, self.into.span(place), buffer)
+        with self._taking:
+            if self._closed:
+                return frame  # its connection is closing: the frame goes nowhere anyway
+            claimed = _COUNTER.unpack_from(self.map, _IN_READ)[0]
+            self._seen = min(max(claimed, self._seen), self.into.head)  # a hint, in bounds
+            places = self.into.reserve([len(b) for b in frame.buffers], self._seen)
+            if places is None:
+                return frame
+            for place, buffer in zip(places, frame.buffers, strict=True):
+                _write(self.map, self.into.span(place), buffer)
         return wire.Frame({**frame.header, "shm": places})
 
     def close(self) -> None:
@@ -219,7 +223,10 @@ class RankSegment:
 def _write(map: mmap.mmap, span: slice, payload: bytes | memoryview | torch.Tensor) -> None:
     """Copy ``payload`` (bytes, or a flat uint8 tensor) into ``span`` of ``map``."""
     if not isinstance(payload, torch.Tensor):
-        map[span] = payload
+        length = span.stop - span.start
+        if length:  # by numpy, which lets the process's other threads run meanwhile
+            into = numpy.frombuffer(map, dtype=numpy.uint8, count=length, offset=span.start)
+            into[:] = numpy.frombuffer(payload, dtype=numpy.uint8)
     elif payload.numel():  # by torch, which lets the process's other threads run meanwhile
         length = payload.numel()
         torch.frombuffer(map, dtype=torch.uint8, count=length, offset=span.start).copy_(payload)

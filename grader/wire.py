@@ -66,11 +66,16 @@ class Frame:
     buffers: list[bytes] = field(default_factory=list)
 
 
-def send_frame(sock: socket.socket, frame: Frame, fds: list[int] | None = None) -> None:
-    """Write ``frame``; ``fds`` (a Unix socket's) travel with its first byte (``SCM_RIGHTS``)."""
+def head_of(frame: Frame) -> bytes:
+    """What precedes ``frame``'s buffers on the wire: their count and lengths, its header."""
     header = json.dumps(frame.header, separators=(",", ":")).encode()
     lengths = struct.pack(f"!{len(frame.buffers)}Q", *map(len, frame.buffers))
-    head = _PREFIX.pack(len(header), len(frame.buffers)) + lengths + header
+    return _PREFIX.pack(len(header), len(frame.buffers)) + lengths + header
+
+
+def send_frame(sock: socket.socket, frame: Frame, fds: list[int] | None = None) -> None:
+    """Write ``frame``; ``fds`` (a Unix socket's) travel with its first byte (``SCM_RIGHTS``)."""
+    head = head_of(frame)
     sent = socket.send_fds(sock, [head], fds) if fds else 0
     sock.sendall(head[sent:])
     for buffer in frame.buffers:

@@ -213,12 +213,6 @@ class LocalTime:
             self.first = self.since = reading
         self.free, self.last = reading, reading
 
-    def released_now(self) -> None:
-        """The rank's blocking wait was answered now: free from now, with the last reading's
-        figures (it slept since, and reading here would hold the broker's lock)."""
-        if self.last is not None:
-            self.released(self.last, time.monotonic())
-
     @property
     def cpu(self) -> float:
         return self.last.cpu - self.first.cpu if self.first and self.last else 0.0

@@ -8,6 +8,12 @@ A rank of this machine gets its shared-memory segment (:mod:`grader.segment`) in
 first frame on its connection; what the broker sends it goes through the segment when
 it fits there. A relayed rank gets none.
 
+What the broker's rules answer a rank is queued under the lock (:meth:`Connections._send`)
+and written, in order, by the rank's own writer thread: copying a payload into the rank's
+segment takes long, and the other ranks' frames are handled meanwhile; a rank that stops
+reading blocks its writer alone. A rank is free again (its local time runs,
+:mod:`grader.broker.accounting`) only once what was queued for it is written.
+
 The lock's condition is the pool's one event path: a frame that changed what the pool waits
 for (a rank's outcome, its stack: every frame but a call's own operations, and those that
 end the rank's call, :data:`grader.protocol.OPERATIONS`), a rank's connection
@@ -23,21 +29,41 @@ import socket
 import threading
 import time
 from abc import ABC, abstractmethod
+from collections import deque
+from dataclasses import dataclass, field
 
 from grader import protocol, segment, wire
 from grader.broker import accounting
-from grader.broker.accounting import Reading
+from grader.broker.accounting import LocalTime, Reading
 from grader.broker.ops import RankState
 from grader.segment import BrokerSegment, take_payloads
 from grader.wire import Frame
+
+#: Frames with at most this many payload bytes are written at once, under the lock.
+DIRECT = 64 << 10
+
+
+@dataclass
+class Outbox:
+    """The frames queued for one rank, and what runs once they are written."""
+
+    ready: threading.Condition  # on the broker's lock: a frame was queued, or the rank ended
+    frames: deque[Frame | bytes] = field(default_factory=deque)  # bytes: a frame's rest
+    writing: bool = False  # the writer has taken a frame and not finished writing it
+    # The rank's release once they are written: its call's local time, and the figures
+    # it is free with (:meth:`Connections._release`).
+    then: tuple[LocalTime, Reading | None] | None = None
+    lock: threading.Lock = field(default_factory=threading.Lock)  # held while one is written
 
 
 class Connections(ABC):
     def __init__(self, world_size: int, frame_bytes: int) -> None:
         self.world_size = world_size
         self._frame_bytes = frame_bytes  # the most one frame of a rank may hold
-        self._cv = threading.Condition()
+        lock = threading.RLock()
+        self._cv = threading.Condition(lock)
         self._ranks = [RankState(r) for r in range(world_size)]
+        self._outboxes = [Outbox(threading.Condition(lock)) for _ in range(world_size)]
         self._listeners: list[socket.socket] = []
         self.ended: str | None = None  # why the job as a whole ended, once it did
 
@@ -61,11 +87,12 @@ class Connections(ABC):
 
     def close(self) -> None:
         with self._cv:
-            for state in self._ranks:
+            for state, outbox in zip(self._ranks, self._outboxes, strict=True):
                 if state.sock is not None:
-                    with contextlib.suppress(OSError):
+                    with contextlib.suppress(OSError):  # ends a write in progress, if any
                         state.sock.shutdown(socket.SHUT_RDWR)
-                    state.sock.close()
+                    with outbox.lock:  # never closed under a write
+                        state.sock.close()
                 if state.segment is not None:
                     state.segment.close()
                     state.segment = None
@@ -100,6 +127,7 @@ class Connections(ABC):
             state.sock, state.meter = sock, meter
             state.segment = None if relayed else _offer_segment(sock)
             self._cv.notify_all()
+        threading.Thread(target=self._write, args=(rank, sock), daemon=True).start()
         began: list[Reading | None] = []
 
         def beginning() -> None:
@@ -114,12 +142,13 @@ class Connections(ABC):
                         self._relay_said(rank, frame)
                     else:
                         if state.running:
+                            self._outboxes[rank].then = None  # it ran: it was free
                             state.local.began(began[0], self._records(rank))
                         self._handle(rank, frame, unreadable)
                         if state.running and state.blocked_on is None:
-                            # Free from now, with the figures of the frame's beginning: what
-                            # it ran meanwhile counts in its next gap, as its own work.
-                            state.local.released(began[0], time.monotonic())
+                            # Free with the figures of the frame's beginning: what it ran
+                            # meanwhile counts in its next gap, as its own work.
+                            self._release(rank, began[0])
                     if (
                         frame.header["type"] not in protocol.OPERATIONS
                         or state.outcome is not outcome
@@ -131,6 +160,7 @@ class Connections(ABC):
                     self._broke(rank, str(err))
         with self._cv:
             state.alive = False
+            self._outboxes[rank].ready.notify()  # its writer ends
             if state.segment is not None:
                 state.segment.close()
                 state.segment = None
@@ -138,15 +168,79 @@ class Connections(ABC):
                 meter.close()
             self._cv.notify_all()
 
+    # -- what the broker sends ----------------------------------------------------------------
+
     def _send(self, rank: int, frame: Frame) -> None:
-        state = self._ranks[rank]
-        if state.sock is not None and state.alive:
-            if state.segment is not None:
-                frame = state.segment.place(frame)
+        """Send ``frame`` to ``rank`` (under the lock): at once if it is small, nothing is
+        queued before it and the rank's own socket takes it whole without waiting; what is
+        left of it otherwise goes to the rank's writer thread, as does every frame to a rank
+        behind a relay."""
+        state, outbox = self._ranks[rank], self._outboxes[rank]
+        if (
+            not (outbox.frames or outbox.writing)
+            and sum(map(len, frame.buffers)) <= DIRECT
+            and isinstance(state.sock, socket.socket)  # not a relay's sealed channel
+        ):
+            left = self._write_now(state, frame)
+            if not left:
+                return
+            outbox.frames.append(left)
+        else:
+            outbox.frames.append(frame)
+        outbox.ready.notify()
+
+    def _write_now(self, state: RankState, frame: Frame) -> bytes:
+        """Write what of ``frame`` the socket takes without waiting (under the lock); the rest."""
+        if state.sock is None or not state.alive:
+            return b""
+        if state.segment is not None:
+            frame = state.segment.place(frame)
+        data = b"".join([wire.head_of(frame), *frame.buffers])
+        try:
+            sent = state.sock.send(data, socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            sent = 0
+        except OSError:
+            state.alive = False
+            return b""
+        return data[sent:]
+
+    def _release(self, rank: int, reading: Reading | None) -> None:
+        """``rank`` is free (its call's local time runs), with ``reading``'s figures, from the
+        moment every frame queued for it is written: their transfer is never its free time.
+        A frame of the rank's that begins before then cancels it: the rank ran, so was free."""
+        outbox = self._outboxes[rank]
+        outbox.then = (self._ranks[rank].local, reading)
+        if not (outbox.frames or outbox.writing):
+            _run_release(outbox)
+
+    def _write(self, rank: int, sock: socket.socket) -> None:
+        """Write the frames queued for ``rank``, in order, payloads into its segment where they
+        fit, until its connection ends (the thread's body). A rank that does not read blocks
+        only this thread."""
+        state, outbox = self._ranks[rank], self._outboxes[rank]
+        while True:
+            with outbox.ready:
+                outbox.writing = False
+                if not outbox.frames:
+                    _run_release(outbox)
+                while not outbox.frames and state.alive:
+                    outbox.ready.wait()
+                if not state.alive:
+                    return
+                item = outbox.frames.popleft()
+                outbox.writing, shared = True, state.segment
             try:
-                wire.send_frame(state.sock, frame)
+                with outbox.lock:
+                    if isinstance(item, bytes):  # the rest of a frame begun at once
+                        sock.sendall(item)
+                    else:
+                        wire.send_frame(sock, shared.place(item) if shared else item)
             except OSError:
-                state.alive = False
+                with self._cv:
+                    state.alive = False
+                    self._cv.notify_all()
+                return
 
     @abstractmethod
     def _handle(self, rank: int, frame: Frame, unreadable: wire.WireError | None) -> None:
@@ -164,6 +258,14 @@ class Connections(ABC):
     @abstractmethod
     def _broke(self, rank: int, error: str) -> None:
         """``rank``'s bytes broke the frame format: its connection is read no further."""
+
+
+def _run_release(outbox: Outbox) -> None:
+    """The release waiting for ``outbox`` to be written, if any, from now (under the lock)."""
+    if outbox.then is not None:
+        local, reading = outbox.then
+        outbox.then = None
+        local.released(reading, time.monotonic())
 
 
 def _take_payloads(segment: BrokerSegment | None, frame: Frame) -> wire.WireError | None:

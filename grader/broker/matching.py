@@ -160,8 +160,10 @@ class Matching(Connections):
         self._send(op.rank, frame)
         if state.blocked_on is op:
             state.blocked_on = None
-            if state.running:
-                state.local.released_now()
+            if state.running and state.local.last is not None:
+                # Free with its last figures: it slept since, and reading them here would
+                # hold the lock.
+                self._release(op.rank, state.local.last)
 
     def _hold(self, state: RankState, op: Op, size: int) -> bool:
         """Keep ``size`` more bytes for ``state``'s rank; refuse ``op`` past the limit."""

@@ -24,7 +24,8 @@ waits for it (``wait``, ``is_completed``, ``get_future``): the waits the broker 
 are then the points after which a rank can have used what it received, which is what
 the replays of :mod:`grader.judge.replay` rest on.
 
-One thread reads each rank; all state is guarded by one lock. Handlers are
+One thread reads each rank and another writes to it (:mod:`grader.broker.connections`);
+all state is guarded by one lock. Handlers are
 ``rank_<type>`` methods, one per message type of :mod:`grader.protocol`; the rules that
 match, compute and deliver a call's operations are :mod:`grader.broker.matching`'s.
 """
@@ -86,7 +87,7 @@ class Broker(Matching):
                 # as the frame arrives counts, however late this thread gets a CPU again.
                 before = state.meter.read() if state.meter else None
                 self._send(state.rank, frame)
-                state.local.released(before, time.monotonic())
+                self._release(state.rank, before)
             self.traffic.local = [state.local for state in self._ranks[: self.active]]
 
     def wait_connected(self, deadline: float) -> bool:

@@ -47,13 +47,16 @@ def _leftovers(scratch: Path, daemon: bool = False) -> set[str]:
     return found
 
 
-def _grade(tmp_path: Path, submission: Path, *args: str, part: str = "collectives") -> dict:
+def _grade(
+    tmp_path: Path, submission: Path, *args: str, part: str = "collectives", timeout: float = 600
+) -> dict:
     """Grade in ``tmp_path``; the grader's own temporary files go to ``tmp_path/tmp``."""
     scratch = tmp_path / "tmp"
     scratch.mkdir(exist_ok=True)
     done = run_grader(
         ["--config", str(REPO / "tests/graded/grading.yaml"), "run", part,
          "--submission", str(submission), "--results", "results.json", *args],
+        timeout=timeout,
         cwd=tmp_path,
         env={"TMPDIR": str(scratch)},
     )  # fmt: skip
@@ -90,6 +93,18 @@ def test_a_module_that_skips_itself_at_import_is_not_passed(tmp_path: Path) -> N
     for test in results["tests"]:
         assert test["extra_data"]["outcome"] == "error", test["name"]
     assert "Skipped: this module has nothing to grade" in results["tests"][0]["output"]
+
+
+def test_a_rank_that_stops_reading_blocks_nothing_but_itself(tmp_path: Path) -> None:
+    results = _grade(
+        tmp_path, SUBMISSIONS / "attack_stops_reading", "-k", "broadcast", "--world-size", "2",
+        timeout=240,
+    )  # fmt: skip
+    assert results["score"] == 0
+    for test in results["tests"]:
+        assert test["extra_data"]["outcome"] == "timeout", test["name"]
+        assert "rank 1 is stuck" in test["output"] and "rank 0 is" not in test["output"]
+    assert _leftovers(tmp_path / "tmp") == set()
 
 
 def test_links_and_fifos_in_a_submission_are_never_opened(tmp_path: Path) -> None:
