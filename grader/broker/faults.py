@@ -72,9 +72,8 @@ def never_waited(ops: Iterable[Op]) -> Iterator[str]:
     receive's data is only there once it is waited for (here too: the broker hands a message
     to its rank when the rank waits, ``is_completed()`` or ``get_future()`` included).
     """
-    for op in sorted(ops, key=lambda op: (op.rank, op.id)):
-        if op.waited or op.refused:
-            continue
+    unwaited = [op for op in ops if not (op.waited or op.refused)]
+    for op in sorted(unwaited, key=lambda op: (op.rank, op.id)):
         where = f" at {op.at or '?'}"
         if op.kind == "send":
             yield (
