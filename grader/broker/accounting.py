@@ -1,7 +1,8 @@
 """Where a rank's time goes between its operations, from the kernel's accounting alone.
 
-The broker knows when a rank is free (from the moment it answered the rank's
-last frame, or started its call) until the rank's next frame begins. The
+The broker knows when a rank is free (from the moment its answer to the rank's
+last frame, or the call it started, is written, or the rank's next frame began
+if that came first) until the rank's next frame begins. The
 kernel knows, for every thread of the rank's process, how long it ran on a
 CPU and how long it was runnable but waited for one
 (``/proc/<pid>/task/<tid>/schedstat``: nanoseconds on a CPU, nanoseconds in

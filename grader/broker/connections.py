@@ -8,11 +8,12 @@ A rank of this machine gets its shared-memory segment (:mod:`grader.segment`) in
 first frame on its connection; what the broker sends it goes through the segment when
 it fits there. A relayed rank gets none.
 
-What the broker's rules answer a rank is queued under the lock (:meth:`Connections._send`)
-and written, in order, by the rank's own writer thread: copying a payload into the rank's
-segment takes long, and the other ranks' frames are handled meanwhile; a rank that stops
-reading blocks its writer alone. A rank is free again (its local time runs,
-:mod:`grader.broker.accounting`) only once what was queued for it is written.
+What the broker's rules answer a rank is sent in order by :meth:`Connections._send`,
+under the lock, but never waiting on the rank there: its payloads go into the rank's
+segment, and the frame goes at once if the socket takes it whole; anything else is
+queued for the rank's own writer thread. A rank that stops reading blocks its writer
+alone. A rank is free again (its local time runs, :mod:`grader.broker.accounting`) only
+once what was queued for it is written.
 
 The lock's condition is the pool's one event path: a frame that changed what the pool waits
 for (a rank's outcome, its stack: every frame but a call's own operations, and those that
@@ -39,7 +40,9 @@ from grader.broker.ops import RankState
 from grader.segment import BrokerSegment, take_payloads
 from grader.wire import Frame
 
-#: Frames with at most this many payload bytes are written at once, under the lock.
+#: Frames that carry at most this many payload bytes in themselves (not in the segment)
+#: are written at once, under the lock, if nothing is queued before them, the socket takes
+#: them whole and is the rank's own.
 DIRECT = 64 << 10
 
 
@@ -50,10 +53,16 @@ class Outbox:
     ready: threading.Condition  # on the broker's lock: a frame was queued, or the rank ended
     frames: deque[Frame | bytes] = field(default_factory=deque)  # bytes: a frame's rest
     writing: bool = False  # the writer has taken a frame and not finished writing it
+    written_at: float | None = None  # when the writer last finished a write (None: writing)
     # The rank's release once they are written: its call's local time, and the figures
     # it is free with (:meth:`Connections._release`).
     then: tuple[LocalTime, Reading | None] | None = None
     lock: threading.Lock = field(default_factory=threading.Lock)  # held while one is written
+
+    @property
+    def busy(self) -> bool:
+        """Something waits to be written, or is being written."""
+        return bool(self.frames) or self.writing
 
 
 class Connections(ABC):
@@ -66,6 +75,7 @@ class Connections(ABC):
         self._outboxes = [Outbox(threading.Condition(lock)) for _ in range(world_size)]
         self._listeners: list[socket.socket] = []
         self.ended: str | None = None  # why the job as a whole ended, once it did
+        self._closed = False  # the pool closed: every writer thread ends
 
     def end_job(self, why: str) -> None:
         """The job cannot go on (its torchrun exited, a node went): wake whoever waits."""
@@ -87,7 +97,9 @@ class Connections(ABC):
 
     def close(self) -> None:
         with self._cv:
+            self._closed = True
             for state, outbox in zip(self._ranks, self._outboxes, strict=True):
+                outbox.ready.notify()
                 if state.sock is not None:
                     with contextlib.suppress(OSError):  # ends a write in progress, if any
                         state.sock.shutdown(socket.SHUT_RDWR)
@@ -129,6 +141,7 @@ class Connections(ABC):
             self._cv.notify_all()
         threading.Thread(target=self._write, args=(rank, sock), daemon=True).start()
         began: list[Reading | None] = []
+        outbox = self._outboxes[rank]
 
         def beginning() -> None:
             began[:] = [meter.read() if meter is not None else None]
@@ -141,8 +154,12 @@ class Connections(ABC):
                     if relayed and frame.header["type"] in protocol.RELAY_ONLY:
                         self._relay_said(rank, frame)
                     else:
+                        if state.running and outbox.then is not None:
+                            # This frame began before the writer, late to the lock, freed
+                            # the rank: it was free from its last write, or at the latest
+                            # from this frame's beginning (it ran).
+                            _run_release(outbox, _freed(outbox, began[0]))
                         if state.running:
-                            self._outboxes[rank].then = None  # it ran: it was free
                             state.local.began(began[0], self._records(rank))
                         self._handle(rank, frame, unreadable)
                         if state.running and state.blocked_on is None:
@@ -160,7 +177,7 @@ class Connections(ABC):
                     self._broke(rank, str(err))
         with self._cv:
             state.alive = False
-            self._outboxes[rank].ready.notify()  # its writer ends
+            outbox.ready.notify()  # its writer ends
             if state.segment is not None:
                 state.segment.close()
                 state.segment = None
@@ -171,30 +188,29 @@ class Connections(ABC):
     # -- what the broker sends ----------------------------------------------------------------
 
     def _send(self, rank: int, frame: Frame) -> None:
-        """Send ``frame`` to ``rank`` (under the lock): at once if it is small, nothing is
-        queued before it and the rank's own socket takes it whole without waiting; what is
-        left of it otherwise goes to the rank's writer thread, as does every frame to a rank
-        behind a relay."""
+        """Send ``frame`` to ``rank`` (under the lock). If nothing is queued before it, its
+        payloads go into the rank's segment at once, and the frame goes out at once if the
+        rank's own socket takes it whole without waiting; what is left of it otherwise goes
+        to the rank's writer thread, as does every frame to a rank behind a relay."""
         state, outbox = self._ranks[rank], self._outboxes[rank]
-        if (
-            not (outbox.frames or outbox.writing)
-            and sum(map(len, frame.buffers)) <= DIRECT
-            and isinstance(state.sock, socket.socket)  # not a relay's sealed channel
-        ):
-            left = self._write_now(state, frame)
-            if not left:
+        if state.sock is None or not state.alive:
+            return
+        if not outbox.busy and isinstance(state.sock, socket.socket):  # not a relay's channel
+            if state.segment is not None:
+                frame = state.segment.place(frame)
+            if sum(map(len, frame.buffers)) <= DIRECT:
+                frame_left = self._write_now(state, frame)
+                if not frame_left:
+                    return
+                outbox.frames.append(frame_left)
+                outbox.ready.notify()
                 return
-            outbox.frames.append(left)
-        else:
-            outbox.frames.append(frame)
+        outbox.frames.append(frame)
         outbox.ready.notify()
 
     def _write_now(self, state: RankState, frame: Frame) -> bytes:
         """Write what of ``frame`` the socket takes without waiting (under the lock); the rest."""
-        if state.sock is None or not state.alive:
-            return b""
-        if state.segment is not None:
-            frame = state.segment.place(frame)
+        assert state.sock is not None
         data = b"".join([wire.head_of(frame), *frame.buffers])
         try:
             sent = state.sock.send(data, socket.MSG_DONTWAIT)
@@ -202,6 +218,8 @@ class Connections(ABC):
             sent = 0
         except OSError:
             state.alive = False
+            self._outboxes[state.rank].ready.notify()  # its writer ends
+            self._cv.notify_all()
             return b""
         return data[sent:]
 
@@ -211,36 +229,42 @@ class Connections(ABC):
         A frame of the rank's that begins before then cancels it: the rank ran, so was free."""
         outbox = self._outboxes[rank]
         outbox.then = (self._ranks[rank].local, reading)
-        if not (outbox.frames or outbox.writing):
+        if not outbox.busy:
             _run_release(outbox)
 
     def _write(self, rank: int, sock: socket.socket) -> None:
         """Write the frames queued for ``rank``, in order, payloads into its segment where they
-        fit, until its connection ends (the thread's body). A rank that does not read blocks
-        only this thread."""
+        fit, until its connection ends or the pool closes (the thread's body). A rank that does
+        not read blocks only this thread."""
         state, outbox = self._ranks[rank], self._outboxes[rank]
-        while True:
-            with outbox.ready:
-                outbox.writing = False
-                if not outbox.frames:
-                    _run_release(outbox)
-                while not outbox.frames and state.alive:
-                    outbox.ready.wait()
-                if not state.alive:
-                    return
-                item = outbox.frames.popleft()
-                outbox.writing, shared = True, state.segment
-            try:
+        try:
+            while True:
+                with outbox.ready:
+                    if outbox.writing and not outbox.frames:
+                        # All written: the rank is free from then, and who waits for that goes on.
+                        _run_release(outbox, outbox.written_at)
+                        self._cv.notify_all()
+                    outbox.writing = False
+                    while not outbox.frames and state.alive and not self._closed:
+                        outbox.ready.wait()
+                    if not state.alive or self._closed:
+                        return
+                    item = outbox.frames.popleft()
+                    outbox.writing, outbox.written_at, shared = True, None, state.segment
                 with outbox.lock:
                     if isinstance(item, bytes):  # the rest of a frame begun at once
                         sock.sendall(item)
                     else:
                         wire.send_frame(sock, shared.place(item) if shared else item)
-            except OSError:
-                with self._cv:
-                    state.alive = False
-                    self._cv.notify_all()
-                return
+                outbox.written_at = time.monotonic()  # before the lock: that may take a while
+        except OSError:
+            pass
+        finally:  # whatever ended it, nothing more is written to this connection
+            with self._cv:
+                state.alive = False
+                outbox.frames.clear()
+                outbox.writing = False
+                self._cv.notify_all()
 
     @abstractmethod
     def _handle(self, rank: int, frame: Frame, unreadable: wire.WireError | None) -> None:
@@ -260,12 +284,21 @@ class Connections(ABC):
         """``rank``'s bytes broke the frame format: its connection is read no further."""
 
 
-def _run_release(outbox: Outbox) -> None:
-    """The release waiting for ``outbox`` to be written, if any, from now (under the lock)."""
+def _run_release(outbox: Outbox, at: float | None = None) -> None:
+    """The release waiting for ``outbox`` to be written, if any, from ``at`` (default: now),
+    under the lock."""
     if outbox.then is not None:
         local, reading = outbox.then
         outbox.then = None
-        local.released(reading, time.monotonic())
+        local.released(reading, at if at is not None else time.monotonic())
+
+
+def _freed(outbox: Outbox, began: Reading | None) -> float | None:
+    """When a rank whose frame ``began`` while its release waited was freed: at its last
+    write, if that is done, and no later than the frame's beginning."""
+    done = outbox.written_at if not outbox.frames else None
+    moments = [t for t in (done, began.at if began is not None else None) if t is not None]
+    return min(moments, default=None)
 
 
 def _take_payloads(segment: BrokerSegment | None, frame: Frame) -> wire.WireError | None:

@@ -147,6 +147,16 @@ class Broker(Matching):
                     break
             return {r: list(self._ranks[r].stack or []) for r in ranks}
 
+    def unread(self, ranks: list[int], timeout: float = 1.0) -> set[int]:
+        """Those of ``ranks`` that what the broker sends them still waits for (being written,
+        or queued) after up to ``timeout`` seconds: they stopped reading."""
+        deadline = time.monotonic() + timeout
+        with self._cv:
+            while busy := {r for r in ranks if self._outboxes[r].busy}:
+                if not self._cv.wait(max(0.0, deadline - time.monotonic())):
+                    break
+            return busy
+
     def blocked(self) -> dict[int, str]:
         """What each blocked rank waits in, e.g. "send to rank 1 at assignments/...:31"."""
         with self._cv:

@@ -17,7 +17,7 @@ The order of blame, the same whatever the timing:
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -68,6 +68,9 @@ class Stuck:
     stacks: Mapping[int, Sequence[str]]  # rank -> its stack, for the others
     importing: Mapping[int, str]
     seconds: float
+    # The ranks the broker could not write to: what it sent them waited, unread, even after
+    # it asked for their stacks.
+    unread: Collection[int] = ()
 
 
 Stopped = Died | Stuck
@@ -127,7 +130,9 @@ def judge_stopped(report: Stopped, case: str) -> tuple[failures.RankFailure, int
         ), culprit
     parts = []
     for rank in report.running:
-        if rank in report.blocked:
+        if rank in report.unread:
+            parts.append(f"rank {rank} stopped reading what the grader sends it")
+        elif rank in report.blocked:
             parts.append(f"rank {rank} waits in {report.blocked[rank]}")
         elif report.stacks.get(rank):
             parts.append(f"rank {rank} is stuck at {report.stacks[rank][-1]}")

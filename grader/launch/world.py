@@ -276,7 +276,8 @@ class RankPool:
             running = broker.still_running()
             blocked = broker.blocked()
             stacks = broker.stacks([r for r in running if r not in blocked])
-            report = Stuck(running, blocked, stacks, importing, seconds)
+            unread = broker.unread(running)
+            report = Stuck(running, blocked, stacks, importing, seconds, unread)
         failure, culprit = judge_stopped(report, case)
         self.close()
         if culprit in importing:

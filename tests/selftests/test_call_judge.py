@@ -80,3 +80,10 @@ def test_stuck_ranks_say_where_they_wait() -> None:
         "rank 0 waits in recv from rank 1; rank 1 is stuck at collectives.py:9 in ring; "
         "rank 2 is stuck outside the submission's code (stopped after 30 s)"
     )
+
+
+def test_a_rank_that_stopped_reading_says_so() -> None:
+    report = Stuck([1], {}, {}, {}, 10, unread={1})
+    failure, culprit = judge_stopped(report, "")
+    assert culprit == 1
+    assert str(failure) == "rank 1 stopped reading what the grader sends it (stopped after 10 s)"
