@@ -12,8 +12,10 @@ What the broker's rules answer a rank is sent in order by :meth:`Connections._se
 under the lock, but never waiting on the rank there: its payloads go into the rank's
 segment, and the frame goes at once if the socket takes it whole; anything else is
 queued for the rank's own writer thread. A rank that stops reading blocks its writer
-alone. A rank is free again (its local time runs, :mod:`grader.broker.accounting`) only
-once what was queued for it is written.
+alone. A rank is free again (its local time runs, :mod:`grader.broker.accounting`) from
+the moment the last write of what it was sent began: the earliest it could have had it
+all. That moment is taken before the write, never after it, because the write wakes the
+rank, which may run (and start a sleep) before the broker's thread gets a CPU again.
 
 The lock's condition is the pool's one event path: a frame that changed what the pool waits
 for (a rank's outcome, its stack: every frame but a call's own operations, and those that
@@ -53,7 +55,11 @@ class Outbox:
     ready: threading.Condition  # on the broker's lock: a frame was queued, or the rank ended
     frames: deque[Frame | bytes] = field(default_factory=deque)  # bytes: a frame's rest
     writing: bool = False  # the writer has taken a frame and not finished writing it
-    written_at: float | None = None  # when the writer last finished a write (None: writing)
+    # When the latest system call writing to the rank began: from then on it could have all
+    # that was taken from ``frames`` (None: a frame is taken and its writing not yet begun).
+    # Taken before the call, never after it: the write wakes the rank, which may run (and
+    # start a sleep) long before the writing thread gets a CPU again.
+    reached_at: float | None = None
     # The rank's release once they are written: its call's local time, and the figures
     # it is free with (:meth:`Connections._release`).
     then: tuple[LocalTime, Reading | None] | None = None
@@ -148,6 +154,7 @@ class Connections(ABC):
 
         try:
             while (frame := wire.recv_frame(sock, self._frame_bytes, beginning)) is not None:
+                read = time.monotonic()  # the rank's write of it had ended
                 unreadable = _take_payloads(state.segment, frame)  # outside the lock
                 with self._cv:
                     outcome = state.outcome
@@ -163,9 +170,10 @@ class Connections(ABC):
                             state.local.began(began[0], self._records(rank))
                         self._handle(rank, frame, unreadable)
                         if state.running and state.blocked_on is None:
-                            # Free with the figures of the frame's beginning: what it ran
-                            # meanwhile counts in its next gap, as its own work.
-                            self._release(rank, began[0])
+                            # Free since its frame was read, with the figures of the frame's
+                            # beginning: what it ran meanwhile counts in its next gap, as
+                            # its own work.
+                            self._release(rank, began[0], read)
                     if (
                         frame.header["type"] not in protocol.OPERATIONS
                         or state.outcome is not outcome
@@ -187,50 +195,49 @@ class Connections(ABC):
 
     # -- what the broker sends ----------------------------------------------------------------
 
-    def _send(self, rank: int, frame: Frame) -> None:
+    def _send(self, rank: int, frame: Frame) -> float | None:
         """Send ``frame`` to ``rank`` (under the lock). If nothing is queued before it, its
         payloads go into the rank's segment at once, and the frame goes out at once if the
-        rank's own socket takes it whole without waiting; what is left of it otherwise goes
-        to the rank's writer thread, as does every frame to a rank behind a relay."""
+        rank's own socket takes it whole without waiting: then the moment that write began.
+        What is left of it otherwise goes to the rank's writer thread, as does every frame
+        to a rank behind a relay (None: queued, or dropped for a rank gone)."""
         state, outbox = self._ranks[rank], self._outboxes[rank]
         if state.sock is None or not state.alive:
-            return
+            return None
         if not outbox.busy and isinstance(state.sock, socket.socket):  # not a relay's channel
             if state.segment is not None:
                 frame = state.segment.place(frame)
             if sum(map(len, frame.buffers)) <= DIRECT:
-                frame_left = self._write_now(state, frame)
-                if not frame_left:
-                    return
-                outbox.frames.append(frame_left)
+                data = b"".join([wire.head_of(frame), *frame.buffers])
+                at = time.monotonic()  # before the write: the rank may run as soon as it is in
+                try:
+                    sent = state.sock.send(data, socket.MSG_DONTWAIT)
+                except BlockingIOError:
+                    sent = 0
+                except OSError:
+                    state.alive = False
+                    outbox.ready.notify()  # its writer ends
+                    self._cv.notify_all()
+                    return None
+                if sent == len(data):
+                    outbox.reached_at = at
+                    return at
+                outbox.frames.append(data[sent:])
                 outbox.ready.notify()
-                return
+                return None
         outbox.frames.append(frame)
         outbox.ready.notify()
+        return None
 
-    def _write_now(self, state: RankState, frame: Frame) -> bytes:
-        """Write what of ``frame`` the socket takes without waiting (under the lock); the rest."""
-        assert state.sock is not None
-        data = b"".join([wire.head_of(frame), *frame.buffers])
-        try:
-            sent = state.sock.send(data, socket.MSG_DONTWAIT)
-        except BlockingIOError:
-            sent = 0
-        except OSError:
-            state.alive = False
-            self._outboxes[state.rank].ready.notify()  # its writer ends
-            self._cv.notify_all()
-            return b""
-        return data[sent:]
-
-    def _release(self, rank: int, reading: Reading | None) -> None:
-        """``rank`` is free (its call's local time runs), with ``reading``'s figures, from the
-        moment every frame queued for it is written: their transfer is never its free time.
-        A frame of the rank's that begins before then cancels it: the rank ran, so was free."""
+    def _release(self, rank: int, reading: Reading | None, at: float | None) -> None:
+        """``rank`` is free (its call's local time runs), with ``reading``'s figures, from
+        ``at`` (None: now) if nothing queued for it waits to be written, else from when the
+        last write of that began: their transfer is never its free time. A frame of the
+        rank's that begins before then frees it at once: the rank ran, so was free."""
         outbox = self._outboxes[rank]
         outbox.then = (self._ranks[rank].local, reading)
         if not outbox.busy:
-            _run_release(outbox)
+            _run_release(outbox, at)
 
     def _write(self, rank: int, sock: socket.socket) -> None:
         """Write the frames queued for ``rank``, in order, payloads into its segment where they
@@ -242,7 +249,7 @@ class Connections(ABC):
                 with outbox.ready:
                     if outbox.writing and not outbox.frames:
                         # All written: the rank is free from then, and who waits for that goes on.
-                        _run_release(outbox, outbox.written_at)
+                        _run_release(outbox, outbox.reached_at)
                         self._cv.notify_all()
                     outbox.writing = False
                     while not outbox.frames and state.alive and not self._closed:
@@ -250,13 +257,13 @@ class Connections(ABC):
                     if not state.alive or self._closed:
                         return
                     item = outbox.frames.popleft()
-                    outbox.writing, outbox.written_at, shared = True, None, state.segment
+                    outbox.writing, outbox.reached_at, shared = True, None, state.segment
                 with outbox.lock:
                     if isinstance(item, bytes):  # the rest of a frame begun at once
-                        sock.sendall(item)
+                        _write_all(sock, [item], outbox)
                     else:
-                        wire.send_frame(sock, shared.place(item) if shared else item)
-                outbox.written_at = time.monotonic()  # before the lock: that may take a while
+                        item = shared.place(item) if shared else item
+                        _write_all(sock, [wire.head_of(item), *item.buffers], outbox)
         except OSError:
             pass
         finally:  # whatever ended it, nothing more is written to this connection
@@ -284,6 +291,21 @@ class Connections(ABC):
         """``rank``'s bytes broke the frame format: its connection is read no further."""
 
 
+def _write_all(sock: socket.socket, parts: list[bytes], outbox: Outbox) -> None:
+    """Write ``parts`` in order, waiting as long as it takes, each system call's beginning in
+    ``outbox.reached_at`` (a relay's channel, whose rank is not timed: the first one's)."""
+    if not isinstance(sock, socket.socket):  # a sealed channel writes whole records
+        outbox.reached_at = time.monotonic()
+        for part in parts:
+            sock.sendall(part)
+        return
+    for part in parts:
+        view = memoryview(part).cast("B")
+        while view:
+            outbox.reached_at = time.monotonic()
+            view = view[sock.send(view) :]
+
+
 def _run_release(outbox: Outbox, at: float | None = None) -> None:
     """The release waiting for ``outbox`` to be written, if any, from ``at`` (default: now),
     under the lock."""
@@ -294,10 +316,11 @@ def _run_release(outbox: Outbox, at: float | None = None) -> None:
 
 
 def _freed(outbox: Outbox, began: Reading | None) -> float | None:
-    """When a rank whose frame ``began`` while its release waited was freed: at its last
-    write, if that is done, and no later than the frame's beginning."""
-    done = outbox.written_at if not outbox.frames else None
-    moments = [t for t in (done, began.at if began is not None else None) if t is not None]
+    """When a rank whose frame ``began`` while its release waited was freed: when the latest
+    write to it began, if nothing is left queued (the writer may not yet have had a CPU since
+    it ended), and no later than the frame's beginning."""
+    reached = outbox.reached_at if not outbox.frames else None
+    moments = [t for t in (reached, began.at if began is not None else None) if t is not None]
     return min(moments, default=None)
 
 

@@ -157,13 +157,13 @@ class Matching(Connections):
             self.traffic.delivered[op.rank] += sum(map(len, frame.buffers))
             if op.kind == "recv" and op.event >= 0:
                 self.traffic.handed[(op.rank, op.event)] = len(self.traffic.per_rank[op.rank])
-        self._send(op.rank, frame)
+        sent = self._send(op.rank, frame)
         if state.blocked_on is op:
             state.blocked_on = None
             if state.running and state.local.last is not None:
                 # Free with its last figures: it slept since, and reading them here would
                 # hold the lock.
-                self._release(op.rank, state.local.last)
+                self._release(op.rank, state.local.last, sent)
 
     def _hold(self, state: RankState, op: Op, size: int) -> bool:
         """Keep ``size`` more bytes for ``state``'s rank; refuse ``op`` past the limit."""

@@ -86,8 +86,7 @@ class Broker(Matching):
                 # Its figures before it has the call, free once it has: what it runs as soon
                 # as the frame arrives counts, however late this thread gets a CPU again.
                 before = state.meter.read() if state.meter else None
-                self._send(state.rank, frame)
-                self._release(state.rank, before)
+                self._release(state.rank, before, self._send(state.rank, frame))
             self.traffic.local = [state.local for state in self._ranks[: self.active]]
 
     def wait_connected(self, deadline: float) -> bool:

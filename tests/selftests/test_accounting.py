@@ -11,8 +11,10 @@ import time
 
 import pytest
 
+from grader import protocol, wire
 from grader.broker import accounting
 from grader.broker.accounting import Gap, LocalTime, Reading
+from grader.broker.server import Broker
 from grader.broker.traffic import Event, RankWork, Traffic, Wait
 from grader.judge.projection import LOCAL_WORK, project
 from grader.testkit.costs import NO_REFERENCE, Timed, judge_performance, local_ratio
@@ -66,6 +68,47 @@ def test_the_pid_is_the_kernels_and_the_reading_counts_every_thread() -> None:
     assert before is not None and after is not None
     assert after.cpu - before.cpu >= 0.04
     assert accounting.Meter(2**22 + 1).read() is None  # no such process
+
+
+class _RunsLateAfterWriting(socket.socket):
+    """The broker's end of a rank's socket, whose thread gets no CPU for a while after each
+    write, as on a busy machine: the write wakes the rank, which may run first."""
+
+    def send(self, data, flags: int = 0) -> int:  # type: ignore[no-untyped-def]
+        sent = super().send(data, flags)
+        time.sleep(0.04)
+        return sent
+
+
+@linux
+@pytest.mark.parametrize("payload", [0, 4 << 20], ids=["written-at-once", "by-its-writer"])
+def test_a_rank_is_free_from_the_write_that_woke_it_however_late_the_broker_runs(payload) -> None:
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    late = _RunsLateAfterWriting(socket.AF_UNIX, socket.SOCK_STREAM, fileno=ours.detach())
+    broker = Broker(1)
+    served = threading.Thread(target=broker.serve, args=(0, late), daemon=True)
+    served.start()
+
+    def rank() -> None:  # sleeps 50 ms as soon as it has its call
+        with theirs:
+            assert wire.recv_frame(theirs) is not None  # the segment it was offered: not taken
+            assert wire.recv_frame(theirs) is not None  # the call
+            time.sleep(0.05)
+            wire.send_frame(theirs, wire.Frame({"type": protocol.MARK, "label": "slept"}))
+
+    sleeper = threading.Thread(target=rank, daemon=True)
+    sleeper.start()
+    try:
+        assert broker.wait_connected(time.monotonic() + 10)
+        call = wire.Frame({"type": protocol.CALL}, [bytes(payload)] if payload else [])
+        broker.start_call([call], forbid_collectives=False)
+        sleeper.join(10)
+        served.join(10)
+        local = broker.traffic.local[0]
+    finally:
+        broker.close()
+    assert local.measured
+    assert local.outside >= 0.045  # the whole sleep, not what is left of it after 40 ms
 
 
 @linux
