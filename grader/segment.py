@@ -108,9 +108,10 @@ class BrokerSegment:
             raise
         self.fd = fd  # passed to the rank once, then closed here (-1)
         # The broker copies out of the map and into it without its own lock (``take`` on the
-        # rank's reader thread, ``place`` on whichever writes to the rank): this lock keeps
-        # the map open meanwhile.
+        # rank's reader thread, ``place`` on whichever writes to the rank): these locks keep
+        # the map open meanwhile, one a ring, so that the two copies never wait on each other.
         self._taking = threading.Lock()
+        self._placing = threading.Lock()
         self._closed = False
         self.out = Ring(CONTROL_BYTES, RING_BYTES)
         self.into = Ring(CONTROL_BYTES + RING_BYTES, RING_BYTES)
@@ -158,7 +159,7 @@ class BrokerSegment:
         fit there."""
         if not frame.buffers or not self.mapped:
             return frame
-        with self._taking:
+        with self._placing:
             if self._closed:
                 return frame  # its connection is closing: the frame goes nowhere anyway
             claimed = _COUNTER.unpack_from(self.map, _IN_READ)[0]
@@ -171,7 +172,7 @@ class BrokerSegment:
         return wire.Frame({**frame.header, "shm": places})
 
     def close(self) -> None:
-        with self._taking:
+        with self._taking, self._placing:
             self._closed = True
             self.handed()
             self.map.close()

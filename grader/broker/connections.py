@@ -204,9 +204,10 @@ class Connections(ABC):
         state, outbox = self._ranks[rank], self._outboxes[rank]
         if state.sock is None or not state.alive:
             return None
+        queued: Frame | bytes = frame
         if not outbox.busy and isinstance(state.sock, socket.socket):  # not a relay's channel
             if state.segment is not None:
-                frame = state.segment.place(frame)
+                frame = queued = state.segment.place(frame)
             if sum(map(len, frame.buffers)) <= DIRECT:
                 data = b"".join([wire.head_of(frame), *frame.buffers])
                 at = time.monotonic()  # before the write: the rank may run as soon as it is in
@@ -222,10 +223,8 @@ class Connections(ABC):
                 if sent == len(data):
                     outbox.reached_at = at
                     return at
-                outbox.frames.append(data[sent:])
-                outbox.ready.notify()
-                return None
-        outbox.frames.append(frame)
+                queued = data[sent:]
+        outbox.frames.append(queued)
         outbox.ready.notify()
         return None
 
