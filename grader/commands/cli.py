@@ -42,8 +42,8 @@ from grader.launch.workspace import Workspace, device
 from grader.nodes import Nodes, NodesError
 
 if TYPE_CHECKING:
+    from grader.commands.grading import GradingRun, Session
     from grader.course.catalog import GradedTest
-    from grader.grading import GradingRun, Session
 
 EXIT_PASSED, EXIT_FAILED, EXIT_CANNOT_GRADE = 0, 1, 2
 EXIT_INTERRUPTED = 130
@@ -142,7 +142,7 @@ def _main(argv: list[str] | None) -> int:
             if nodes is None:  # its torchrun and ranks import torch while this process does
                 workspace.start(_first_job_size(config, parts, args.world_sizes))
             with interrupts.after():  # torch's import
-                from grader.grading import Session
+                from grader.commands.grading import Session
 
             session = Session(workspace, nodes, warm=args.watch)
             return _grade(console, session, args, config, parts, nodes, submission)
@@ -231,7 +231,7 @@ def _run(
     results_file: Path | None,
     verbose: bool = False,
 ) -> int:
-    from grader.grading import Listener
+    from grader.commands.grading import Listener
     from grader.report.terminal import ProgressDisplay, print_summary
 
     start = time.monotonic()

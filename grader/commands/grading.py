@@ -15,16 +15,14 @@ import dataclasses
 import hashlib
 import io
 import shutil
-import signal
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import FrameType
 
 import pytest
 
 from grader import protocol, sandbox
-from grader.commands.interrupts import Interrupted
+from grader.commands import interrupts
 from grader.course import config as course
 from grader.course.catalog import GradedTest, WorldSizes, graded_pytest
 from grader.course.config import TIMED, GradingConfig
@@ -212,25 +210,16 @@ def _run_tests(
     files = [str(course.GRADED_DIR / t.nodeid.split("::")[0]) for t in tests]
     arguments = [*dict.fromkeys(files), *course.GRADED_PYTEST_ARGS, "-p", "no:terminal"]
     said = io.StringIO()
-    interrupts: list[int] = []
-
-    def interrupt(signum: int, frame: FrameType | None) -> None:
-        interrupts.append(signum)  # remembered: pytest may report it in any way
-        raise Interrupted
-
-    previous = {
-        sig: signal.signal(sig, interrupt)
-        for sig in (signal.SIGINT, signal.SIGTERM)
-        if signal.getsignal(sig) != signal.SIG_IGN  # a signal ignored stays so
-    }
-    try:
-        with graded_pytest(), contextlib.redirect_stdout(said), contextlib.redirect_stderr(said):
-            code = pytest.main(arguments, plugins=[WorldSizes(config), plugin])
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-    if interrupts:
-        raise Interrupted
+    came: list[int] = []  # pytest may report an interrupt in any way: remembered here
+    with (
+        interrupts.sigterm_is_ctrl_c(came),
+        graded_pytest(),
+        contextlib.redirect_stdout(said),
+        contextlib.redirect_stderr(said),
+    ):
+        code = pytest.main(arguments, plugins=[WorldSizes(config), plugin])
+    if came:
+        raise interrupts.Interrupted
     failure = plugin.grader_failure
     if code in _BROKEN and failure is None:
         last = [line for line in said.getvalue().splitlines() if line.strip()][-1:]

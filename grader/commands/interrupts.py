@@ -31,9 +31,16 @@ class Interrupted(KeyboardInterrupt):
 
 
 @contextlib.contextmanager
-def sigterm_is_ctrl_c() -> Iterator[None]:
+def sigterm_is_ctrl_c(came: list[int] | None = None) -> Iterator[None]:
     """For the block, SIGTERM raises :class:`Interrupted`, as Ctrl-C does (a signal ignored
-    stays so)."""
+    stays so); each signal is also added to ``came``, for a block that may make of the
+    interrupt what it likes (pytest reports one as an outcome of its own)."""
+
+    def interrupt(signum: int, frame: FrameType | None) -> None:
+        if came is not None:
+            came.append(signum)
+        raise Interrupted
+
     previous = {
         sig: signal.signal(sig, interrupt)
         for sig in (signal.SIGINT, signal.SIGTERM)
@@ -73,8 +80,3 @@ def held() -> Iterator[None]:
         yield
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, mask)
-
-
-def interrupt(signum: int, frame: FrameType | None) -> None:
-    """The handler of both signals: interrupt where the program is."""
-    raise Interrupted

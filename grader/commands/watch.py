@@ -1,6 +1,6 @@
 """``grader run --watch``: regrade the selection each time a file of the submission changes.
 
-One :class:`grader.grading.Session` serves every grading: the sandbox level
+One :class:`grader.commands.grading.Session` serves every grading: the sandbox level
 is chosen once, the reference's ranks stay up, and the next grading's ranks
 are started, torch imported, while the student edits. A regrade then costs
 the tests alone. Each grading still stages the files anew and runs them on
@@ -20,8 +20,8 @@ from rich.markup import escape
 from grader.course.submission import fingerprint
 
 if TYPE_CHECKING:
+    from grader.commands.grading import Session
     from grader.course.catalog import GradedTest
-    from grader.grading import Session
 
 POLL_SECONDS = 0.1  # how often the submission's files are looked at
 SETTLE_SECONDS = 0.05  # an editor may save in steps: regrade once the files stop changing
@@ -33,7 +33,7 @@ def watch(
     """Grade, print the summary, wait for a change, again, until interrupted (Ctrl-C or
     SIGTERM); then close ``session`` (made ``warm``): every job ended (its
     workspace, and with it every file, is closed by the caller)."""
-    from grader.grading import Listener
+    from grader.commands.grading import Listener
     from grader.report.terminal import ProgressDisplay, print_summary
 
     shown = escape(str(submission))

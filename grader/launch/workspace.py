@@ -6,7 +6,7 @@ here, before the grader imports torch; and so the run's first job starts here to
 head). Its torchrun and then its ranks import torch while the grader does, instead of after
 it: on a laptop that is a second and more of every cold ``grader run``. Only where there may
 be a GPU does the grader import torch first, to ask it for the ranks' device (:func:`device`).
-:class:`grader.grading.Session` takes the job over with the rest.
+:class:`grader.commands.grading.Session` takes the job over with the rest.
 """
 
 from __future__ import annotations
