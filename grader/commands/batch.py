@@ -248,7 +248,7 @@ def _start(batch: Batch, student: str) -> _Running:
         str(folder / PARTIAL),
     ]
     with open(folder / LOG, "w") as log:
-        process = subprocess.Popen(
+        process = orphans.start(  # its own child: never taken for an orphan of a killed job
             command,
             stdin=subprocess.DEVNULL,
             stdout=log,
@@ -256,7 +256,6 @@ def _start(batch: Batch, student: str) -> _Running:
             env={**os.environ, "NO_COLOR": "1", "COLUMNS": "120"},
             start_new_session=True,
         )
-    orphans.started(process)  # its own child: never taken for an orphan of a killed job
     return _Running(student, process, time.monotonic())
 
 

@@ -146,7 +146,7 @@ class TorchrunJob:
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
         env.pop("TORCH_DISTRIBUTED_DEBUG", None)
         with open(self.job_dir / "torchrun.log", "wb") as log:
-            self._process = subprocess.Popen(
+            self._process = orphans.start(
                 command,
                 stdin=subprocess.DEVNULL,
                 stdout=log,
@@ -156,7 +156,6 @@ class TorchrunJob:
                 # the grader killed: torchrun and its ranks go too
                 preexec_fn=functools.partial(die_with, os.getpid()),
             )
-        orphans.started(self._process)
 
     def running(self) -> bool:
         return self._process is not None and self._process.poll() is None

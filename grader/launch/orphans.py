@@ -10,10 +10,14 @@ ranks were starting).
 
 So a command of ``grader`` makes itself the subreaper of everything it starts
 (:func:`adopt`, ``PR_SET_CHILD_SUBREAPER``): an orphan below it becomes its child instead of
-init's. :func:`end` kills and reaps every child of its that it did not register as its own
-(:func:`started`: each job's torchrun, each of a batch's graders): after each job it kills,
-and before it exits. Only children in another session than the grader's are taken for
-orphans: a helper that a library starts in the grader's own session is left alone.
+init's. :func:`end` kills and reaps every child of its that it did not start as its own
+(:func:`start`: each job's torchrun, each of a batch's graders, the sandbox's probe): after
+each job it kills, and before it exits. No :func:`end` looks for orphans while :func:`start`
+starts a child: between its fork and Popen's return, a child in a session of its own is
+not yet known for the grader's own (tried: a probe beside other jobs' ends, registered once
+Popen returned, was killed for an orphan in 2 runs of 5). Only children in another session
+than the grader's are taken for orphans: a helper that a library starts in the grader's own
+session is left alone.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import subprocess
 import sys
 import threading
 import time
+from typing import Any
 
 _PR_SET_CHILD_SUBREAPER = 36
 _lock = threading.Lock()
@@ -46,10 +51,13 @@ def adopt() -> None:
         _adopting = True
 
 
-def started(process: subprocess.Popen) -> None:
-    """``process`` is this process's own child, never an orphan to end."""
+def start(command: list[str], **popen: Any) -> subprocess.Popen:
+    """``subprocess.Popen(command, **popen)``: a child of this process's own, never an orphan
+    to end."""
     with _lock:
+        process = subprocess.Popen(command, **popen)
         _ours[process.pid] = process
+    return process
 
 
 def end(timeout: float = 5.0) -> list[int]:
@@ -87,15 +95,14 @@ def _reaped(pid: int, deadline: float) -> bool:
 def _orphans() -> list[int]:
     """This process's children that it did not start, in another session than its own."""
     me, session = os.getpid(), os.getsid(0)
-    with _lock:
+    with _lock:  # no child of our own is starting meanwhile
         for pid in [p for p, process in _ours.items() if process.returncode is not None]:
             del _ours[pid]  # reaped: the pid may be anyone's by now
-        ours = set(_ours)
-    return [
-        pid
-        for pid, parent, sid in processes()
-        if parent == me and pid not in ours and sid != session
-    ]
+        return [
+            pid
+            for pid, parent, sid in processes()
+            if parent == me and pid not in _ours and sid != session
+        ]
 
 
 def processes() -> list[tuple[int, int, int]]:

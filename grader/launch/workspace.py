@@ -24,6 +24,7 @@ from grader import sandbox
 from grader.course import config as course
 from grader.course.config import GradingConfig
 from grader.course.secret import secret_path
+from grader.launch import orphans
 from grader.launch.job import (
     RANK_WRAPPER,
     JobSettings,
@@ -195,9 +196,16 @@ def probe(settings: JobSettings) -> str | None:
     try:
         socket_dir = prepare_job(settings, job_dir, {})
         listeners = listen(socket_dir, 1)  # bound in, as a graded job's are
-        done = subprocess.run(
-            command, env=env, capture_output=True, timeout=PROBE_SECONDS, start_new_session=True
-        )
+        with orphans.start(  # its own child: never taken for a killed job's orphan
+            command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            start_new_session=True,
+        ) as wrapper:  # fmt: skip
+            try:
+                _, stderr = wrapper.communicate(timeout=PROBE_SECONDS)
+            except BaseException:  # a timeout, or an interrupt: the wrapper ends with it
+                wrapper.kill()
+                wrapper.wait()
+                raise
     except subprocess.TimeoutExpired:
         return f"a rank did not start within {PROBE_SECONDS:.0f} s"
     finally:
@@ -207,10 +215,10 @@ def probe(settings: JobSettings) -> str | None:
             settings.identity.end_jobs()
         if socket_dir is not None:
             shutil.rmtree(socket_dir, ignore_errors=True)
-    if done.returncode == 0:
+    if wrapper.returncode == 0:
         shutil.rmtree(job_dir, ignore_errors=True)
         return None
-    said = [line.strip() for line in done.stderr.decode(errors="replace").splitlines()]
+    said = [line.strip() for line in stderr.decode(errors="replace").splitlines()]
     words = last_words(job_dir, 0) or next((line for line in reversed(said) if line), "")
     shutil.rmtree(job_dir, ignore_errors=True)
-    return words or f"the rank's wrapper exited with status {done.returncode}"
+    return words or f"the rank's wrapper exited with status {wrapper.returncode}"

@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 from runner import REPO, ends_with_the_tests
@@ -23,16 +22,14 @@ import json, os, subprocess, sys
 from grader.launch import orphans
 
 orphans.adopt()
-own = subprocess.Popen(["sleep", "600"], start_new_session=True)  # a job's torchrun, say
-orphans.started(own)
+own = orphans.start(["sleep", "600"], start_new_session=True)  # a job's torchrun, say
 library = subprocess.Popen(["sleep", "600"])  # a library's helper, in the grader's session
 try:
-    wrapper = subprocess.Popen(  # a rank's wrapper: its bwrap outlives it
+    wrapper = orphans.start(  # a rank's wrapper: its bwrap outlives it
         [sys.executable, "-c", "import subprocess; "
          "print(subprocess.Popen(['sleep', '600'], start_new_session=True).pid)"],
         stdout=subprocess.PIPE, start_new_session=True, text=True,
     )
-    orphans.started(wrapper)
     left = int(wrapper.stdout.readline())
     wrapper.wait()
     ended = orphans.end()
@@ -50,17 +47,55 @@ finally:
 """
 
 
-@pytest.mark.skipif(sys.platform != "linux", reason="a subreaper is Linux's")
-def test_an_orphan_of_a_job_is_ended_and_reaped(tmp_path: Path) -> None:
+def _said(script: str) -> dict:
+    """What ``script``, run as a grader of its own, printed (one JSON line)."""
     done = subprocess.run(
-        ends_with_the_tests([sys.executable, "-c", SCRIPT]),
+        ends_with_the_tests([sys.executable, "-c", script]),
         cwd=REPO,
         capture_output=True,
         text=True,
-        timeout=60,
+        timeout=120,
     )
     assert done.returncode == 0, done.stderr
-    said = json.loads(done.stdout)
+    return json.loads(done.stdout)
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="a subreaper is Linux's")
+def test_an_orphan_of_a_job_is_ended_and_reaped() -> None:
+    said = _said(SCRIPT)
     assert said["ended"] == [said["left"]]
     assert not said["left_remains"]
     assert said["own_runs"] and said["library_runs"]
+
+
+PROBING = """
+import json, shutil, tempfile, threading
+from pathlib import Path
+from grader import sandbox
+from grader.launch import orphans
+from grader.launch.job import job_settings
+from grader.launch.workspace import probe
+
+orphans.adopt()
+work = Path(tempfile.mkdtemp(prefix="grader-"))
+stop, ended = threading.Event(), []
+
+def reap():  # another job's end, over and over, while the probe runs
+    while not stop.is_set():
+        ended.extend(orphans.end())
+
+reaper = threading.Thread(target=reap)
+reaper.start()
+try:
+    why = probe(job_settings(work, sandbox.Level.NONE, "cpu"))
+finally:
+    stop.set()
+    reaper.join()
+    shutil.rmtree(work, ignore_errors=True)
+print(json.dumps({"why": why, "ended": ended}))
+"""
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="a subreaper is Linux's")
+def test_the_sandbox_probe_is_the_graders_own_never_an_orphan() -> None:
+    assert _said(PROBING) == {"why": None, "ended": []}  # it was killed as an orphan: status -9
