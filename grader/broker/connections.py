@@ -46,6 +46,10 @@ from grader.wire import Frame
 #: are written at once, under the lock, if nothing is queued before them, the socket takes
 #: them whole and is the rank's own.
 DIRECT = 64 << 10
+#: The writer thread writes at most this much in one system call: a blocking ``send`` on a
+#: Unix socket returns only once all it was given is written, and a rank is free from the
+#: beginning of the last call (:class:`Outbox`).
+_CALL_BYTES = 256 << 10
 
 
 @dataclass
@@ -60,9 +64,9 @@ class Outbox:
     # Taken before the call, never after it: the write wakes the rank, which may run (and
     # start a sleep) long before the writing thread gets a CPU again.
     reached_at: float | None = None
-    # The rank's release once they are written: its call's local time, and the figures
-    # it is free with (:meth:`Connections._release`).
-    then: tuple[LocalTime, Reading | None] | None = None
+    # The rank's release once they are written: its call's local time, the figures it is
+    # free with, and the earliest it is free from (:meth:`Connections._release`).
+    then: tuple[LocalTime, Reading | None, float] | None = None
     lock: threading.Lock = field(default_factory=threading.Lock)  # held while one is written
 
     @property
@@ -154,7 +158,6 @@ class Connections(ABC):
 
         try:
             while (frame := wire.recv_frame(sock, self._frame_bytes, beginning)) is not None:
-                read = time.monotonic()  # the rank's write of it had ended
                 unreadable = _take_payloads(state.segment, frame)  # outside the lock
                 with self._cv:
                     outcome = state.outcome
@@ -168,12 +171,16 @@ class Connections(ABC):
                             _run_release(outbox, _freed(outbox, began[0]))
                         if state.running:
                             state.local.began(began[0], self._records(rank))
+                        written = outbox.reached_at
                         self._handle(rank, frame, unreadable)
                         if state.running and state.blocked_on is None:
-                            # Free since its frame was read, with the figures of the frame's
-                            # beginning: what it ran meanwhile counts in its next gap, as
-                            # its own work.
-                            self._release(rank, began[0], read)
+                            # Free from the answer written to it meanwhile, if any (the write
+                            # woke it, and it may have run before this thread), else once its
+                            # frame is handled (its next frame's beginning is read no sooner);
+                            # with the figures of the frame's beginning: what it ran meanwhile
+                            # counts in its next gap, as its own work.
+                            answered = outbox.reached_at
+                            self._release(rank, began[0], None if answered == written else answered)
                     if (
                         frame.header["type"] not in protocol.OPERATIONS
                         or state.outcome is not outcome
@@ -230,13 +237,13 @@ class Connections(ABC):
 
     def _release(self, rank: int, reading: Reading | None, at: float | None) -> None:
         """``rank`` is free (its call's local time runs), with ``reading``'s figures, from
-        ``at`` (None: now) if nothing queued for it waits to be written, else from when the
-        last write of that began: their transfer is never its free time. A frame of the
-        rank's that begins before then frees it at once: the rank ran, so was free."""
+        ``at`` (None: now), or, if something queued for it waits to be written, from when
+        the last system call writing that began, if later: their transfer is never its free
+        time. A frame of the rank's that begins before then frees it at once: it ran."""
         outbox = self._outboxes[rank]
-        outbox.then = (self._ranks[rank].local, reading)
+        outbox.then = (self._ranks[rank].local, reading, at if at is not None else time.monotonic())
         if not outbox.busy:
-            _run_release(outbox, at)
+            _run_release(outbox)
 
     def _write(self, rank: int, sock: socket.socket) -> None:
         """Write the frames queued for ``rank``, in order, payloads into its segment where they
@@ -300,24 +307,25 @@ def _write_all(sock: socket.socket, parts: list[bytes], outbox: Outbox) -> None:
         return
     for part in parts:
         view = memoryview(part).cast("B")
-        while view:
+        while view:  # a call at most a socket buffer long: it begins close to its end
             outbox.reached_at = time.monotonic()
-            view = view[sock.send(view) :]
+            view = view[sock.send(view[:_CALL_BYTES]) :]
 
 
 def _run_release(outbox: Outbox, at: float | None = None) -> None:
-    """The release waiting for ``outbox`` to be written, if any, from ``at`` (default: now),
-    under the lock."""
+    """The release waiting for ``outbox`` to be written, if any, from ``at`` but never before
+    the moment it asked for (under the lock)."""
     if outbox.then is not None:
-        local, reading = outbox.then
+        local, reading, earliest = outbox.then
         outbox.then = None
-        local.released(reading, at if at is not None else time.monotonic())
+        local.released(reading, max(earliest, at) if at is not None else earliest)
 
 
 def _freed(outbox: Outbox, began: Reading | None) -> float | None:
     """When a rank whose frame ``began`` while its release waited was freed: when the latest
-    write to it began, if nothing is left queued (the writer may not yet have had a CPU since
-    it ended), and no later than the frame's beginning."""
+    system call writing to it began, if nothing is left queued (the writer may not yet have
+    had a CPU since it ended; a call is at most :data:`_CALL_BYTES`), and no later than the
+    frame's beginning."""
     reached = outbox.reached_at if not outbox.frames else None
     moments = [t for t in (reached, began.at if began is not None else None) if t is not None]
     return min(moments, default=None)

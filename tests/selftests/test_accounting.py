@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import re
 import socket
+import subprocess
 import sys
 import threading
 import time
@@ -113,6 +114,62 @@ def test_a_rank_is_free_from_the_write_that_woke_it_however_late_the_broker_runs
     assert local.last is not None and local.first is not None
     assert local.last.at - local.first.at >= 0.05
     assert local.outside >= 0.05 - local.cpu - local.waiting
+
+
+_COMPUTES_DURING_A_WRITE = r"""
+import socket, sys, threading, time
+from grader import protocol, wire
+
+rank = socket.socket(socket.AF_UNIX)
+rank.connect(sys.argv[1])
+print("ready", flush=True)
+
+def read():  # late: the broker's writer is still writing the call after the first mark
+    time.sleep(0.1)
+    while wire.recv_frame(rank, 1 << 31).header["type"] != protocol.CALL:
+        pass
+
+threading.Thread(target=read, daemon=True).start()
+time.sleep(0.1)
+wire.send_frame(rank, wire.Frame({"type": protocol.MARK, "label": "1"}))  # waits on nothing
+end = time.thread_time() + 0.3
+while time.thread_time() < end:  # computing: never outside time
+    pass
+wire.send_frame(rank, wire.Frame({"type": protocol.MARK, "label": "2"}))
+rank.recv(1)
+"""
+
+
+@linux
+def test_a_rank_computing_while_a_frame_is_written_to_it_is_never_outside(tmp_path) -> None:
+    """A release asked for while a big frame was being written is never dated back to when
+    that write began: the rank that computes meanwhile is charged its CPU, not a sleep."""
+    path = str(tmp_path / "rank.sock")
+    listener = socket.socket(socket.AF_UNIX)
+    listener.bind(path)
+    listener.listen(1)
+    broker = Broker(1)
+    broker.accept_on([listener])
+    child = subprocess.Popen(
+        [sys.executable, "-c", _COMPUTES_DURING_A_WRITE, path], stdout=subprocess.PIPE
+    )
+    try:
+        assert broker.wait_connected(time.monotonic() + 30)
+        assert child.stdout is not None and child.stdout.readline() == b"ready\n"
+        call = wire.Frame({"type": protocol.CALL}, [bytes(64 << 20)])  # never in the segment
+        broker.start_call([call], forbid_collectives=False)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and len(broker.traffic.local[0].gaps) < 2:
+            time.sleep(0.01)
+        local = broker.traffic.local[0]
+    finally:
+        broker.close()
+        child.kill()
+        child.wait()
+    assert len(local.gaps) >= 2
+    computing = local.gaps[1]  # the gap that ends with the second mark
+    assert computing.cpu >= 0.25
+    assert computing.outside < 0.03  # it was 0.144 s, from the call's write on
 
 
 @linux
