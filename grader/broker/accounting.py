@@ -1,10 +1,10 @@
 """Where a rank's time goes between its operations, from the kernel's accounting alone.
 
-The broker knows when a rank is free (from the moment its answer to the rank's
-last frame, or the call it started, is written, or the rank's next frame began
-if that came first) until the rank's next frame begins. The
-kernel knows, for every thread of the rank's process, how long it ran on a
-CPU and how long it was runnable but waited for one
+The broker knows when a rank is free: from the moment the write that woke it
+began (its answer, or the call it started; after a frame that waits on nothing and
+got no answer, once that frame is handled), until the rank's next frame begins
+(:mod:`grader.broker.connections`). The kernel knows, for every thread of the
+rank's process, how long it ran on a CPU and how long it was runnable but waited for one
 (``/proc/<pid>/task/<tid>/schedstat``: nanoseconds on a CPU, nanoseconds in
 the run queue), and the process's CPU clock counts every thread it ever had,
 those that ended included (``clock_getcpuclockid``). The pid is the socket's

@@ -14,7 +14,8 @@ segment, and the frame goes at once if the socket takes it whole; anything else 
 queued for the rank's own writer thread. A rank that stops reading blocks its writer
 alone. A rank is free again (its local time runs, :mod:`grader.broker.accounting`) from
 the moment the last write of what it was sent began: the earliest it could have had it
-all. That moment is taken before the write, never after it, because the write wakes the
+all (after a frame that waits on nothing and got no answer, once that frame is handled).
+That moment is taken before the write, never after it, because the write wakes the
 rank, which may run (and start a sleep) before the broker's thread gets a CPU again.
 
 The lock's condition is the pool's one event path: a frame that changed what the pool waits
@@ -166,8 +167,8 @@ class Connections(ABC):
                     else:
                         if state.running and outbox.then is not None:
                             # This frame began before the writer, late to the lock, freed
-                            # the rank: it was free from its last write, or at the latest
-                            # from this frame's beginning (it ran).
+                            # the rank: it was free from when the latest write to it began,
+                            # or at the latest from this frame's beginning (it ran).
                             _run_release(outbox, _freed(outbox, began[0]))
                         if state.running:
                             state.local.began(began[0], self._records(rank))
