@@ -21,6 +21,15 @@ checked or hands on. Positions out of the ring are a broken protocol. The broker
 the in ring; the rank's count of what it consumed only decides whether the broker's next
 payload goes in the ring or in the frame, and a rank that lies about it garbles only what
 it receives itself.
+
+One payload is the exception: a message sent in a call whose record keeps no payloads (the
+performance tests'). Its bytes matter to its receiver alone, so the broker leaves it in the
+sender's out ring (:class:`Held`) and copies it straight into the receiver's in ring when
+it hands it over: one copy of four fewer. The out ring is then consumed only up to the
+first payload held, so the rank's next payloads never overwrite it. A sender that writes
+over its own held payload anyway (it maps the ring) changes only what its receiver gets,
+as writing to a tensor during an ``isend`` does in gloo; its size, which is all the broker
+checks and counts, is the header's and was checked as the frame was read.
 """
 
 from __future__ import annotations
@@ -31,6 +40,7 @@ import os
 import struct
 import threading
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy
@@ -116,6 +126,8 @@ class BrokerSegment:
         self.out = Ring(CONTROL_BYTES, RING_BYTES)
         self.into = Ring(CONTROL_BYTES + RING_BYTES, RING_BYTES)
         self._seen = 0  # the most of the in ring the rank has said it consumed
+        self._taken = 0  # the end of the out ring's last payload taken
+        self._held: dict[int, int] = {}  # out-ring payloads left where they lie: position: length
         # The rank said it mapped the segment (a ``segment`` frame back): until then, and for
         # a rank that never does, whatever the broker sends it travels in the frames.
         self.mapped = False
@@ -126,8 +138,9 @@ class BrokerSegment:
             os.close(self.fd)
             self.fd = -1
 
-    def take(self, frame: wire.Frame) -> None:
-        """Replace a frame's ring payloads by the broker's own copy of them, at once."""
+    def take(self, frame: wire.Frame, hold: bool = False) -> None:
+        """Replace a frame's ring payloads by the broker's own copy of them, at once; or with
+        ``hold``, by :class:`Held` references to them, left in the ring until handed over."""
         raw = frame.header.pop("shm")
         if frame.buffers:
             raise wire.WireError("a frame with payloads both in the segment and in the frame")
@@ -135,9 +148,43 @@ class BrokerSegment:
         with self._taking:
             if self._closed:
                 raise wire.WireError("the connection is closing")
-            frame.buffers = [self._copy(self.out.span(place)) for place in places]
+            if hold:
+                frame.buffers = [Held(self, place[0], place[1]) for place in places]
+                self._held.update(places)
+            else:
+                frame.buffers = [self._copy(self.out.span(place)) for place in places]
             if places:
-                _COUNTER.pack_into(self.map, _OUT_READ, places[-1][0] + places[-1][1])
+                self._taken = places[-1][0] + places[-1][1]
+                self._consumed()
+
+    def _consumed(self) -> None:
+        """Tell the rank how much of its out ring it may write over: all that was taken, up
+        to the first payload still held (under ``_taking``)."""
+        _COUNTER.pack_into(self.map, _OUT_READ, min(self._held, default=self._taken))
+
+    def copy_held(self, held: Held, into: memoryview | None = None) -> memoryview:
+        """Copy a payload held in the out ring into ``into`` (a new buffer of the broker's
+        if None), and let the rank write over it. A payload no longer held (its sender's
+        connection closed, or its call ended) comes as zeros: its call has failed already."""
+        target = into if into is not None else memoryview(bytearray(held.length))
+        with self._taking:
+            if self._closed or self._held.pop(held.position, None) is None:
+                target[:] = bytes(held.length)
+                return target
+            span = self.out.span([held.position, held.length])
+            if held.length:
+                numpy.frombuffer(target, dtype=numpy.uint8)[:] = numpy.frombuffer(
+                    self.map, dtype=numpy.uint8, count=held.length, offset=span.start
+                )
+            self._consumed()
+        return target
+
+    def unhold(self) -> None:
+        """A call ended: what it left held will never be handed over."""
+        with self._taking:
+            if self._held and not self._closed:
+                self._held.clear()
+                self._consumed()
 
     def _copy(self, span: slice) -> memoryview:
         """The bytes of ``span``, copied into the broker's memory, read-only.
@@ -156,35 +203,64 @@ class BrokerSegment:
 
     def place(self, frame: wire.Frame) -> wire.Frame:
         """``frame`` with its payloads copied into the in ring, if the rank mapped it and they
-        fit there."""
+        fit there; else with every :class:`Held` payload of it copied out (:func:`settled`)."""
         if not frame.buffers or not self.mapped:
-            return frame
+            return settled(frame)
         with self._placing:
-            if self._closed:
-                return frame  # its connection is closing: the frame goes nowhere anyway
+            if self._closed:  # its connection is closing: the frame goes nowhere anyway
+                return settled(frame)
             claimed = _COUNTER.unpack_from(self.map, _IN_READ)[0]
             self._seen = min(max(claimed, self._seen), self.into.head)  # a hint, in bounds
             places = self.into.reserve([len(b) for b in frame.buffers], self._seen)
             if places is None:
-                return frame
+                return settled(frame)
             for place, buffer in zip(places, frame.buffers, strict=True):
-                _write(self.map, self.into.span(place), buffer)
+                span = self.into.span(place)
+                if isinstance(buffer, Held):  # the one copy from the sender's ring to this one
+                    buffer.segment.copy_held(buffer, memoryview(self.map)[span])
+                else:
+                    _write(self.map, span, buffer)
         return wire.Frame({**frame.header, "shm": places})
 
     def close(self) -> None:
-        with self._taking, self._placing:
+        # Every placing lock before any taking lock: placing a held payload takes its
+        # sender's taking lock under this placing lock.
+        with self._placing, self._taking:
             self._closed = True
             self.handed()
             self.map.close()
 
 
-def take_payloads(segment: BrokerSegment | None, frame: wire.Frame) -> None:
-    """The broker's own copy of the payloads a frame names in its rank's segment, if any; a
-    WireError if they lie outside it, or the rank was never given one (a relayed rank)."""
+@dataclass(frozen=True, eq=False)
+class Held:
+    """A payload left in its sender's out ring, ``length`` bytes at ``position``, until the
+    broker hands it over (:meth:`BrokerSegment.copy_held`)."""
+
+    segment: BrokerSegment
+    position: int
+    length: int
+
+    def __len__(self) -> int:
+        return self.length
+
+
+def settled(frame: wire.Frame) -> wire.Frame:
+    """``frame`` with each :class:`Held` payload replaced by the broker's copy of it: for a
+    frame that goes out with its payloads, or is kept."""
+    if not any(isinstance(b, Held) for b in frame.buffers):
+        return frame
+    buffers = [b.segment.copy_held(b) if isinstance(b, Held) else b for b in frame.buffers]
+    return wire.Frame(frame.header, buffers)
+
+
+def take_payloads(segment: BrokerSegment | None, frame: wire.Frame, hold: bool = False) -> None:
+    """The broker's own copy of the payloads a frame names in its rank's segment, if any (or
+    with ``hold``, :class:`Held` references to them); a WireError if they lie outside it, or the
+    rank was never given one (a relayed rank)."""
     if "shm" in frame.header:
         if segment is None:
             raise wire.WireError("payloads in a shared segment the rank was never given")
-        segment.take(frame)
+        segment.take(frame, hold)
 
 
 class RankSegment:

@@ -40,7 +40,7 @@ from grader import protocol, segment, wire
 from grader.broker import accounting
 from grader.broker.accounting import LocalTime, Reading
 from grader.broker.ops import RankState
-from grader.segment import BrokerSegment, take_payloads
+from grader.segment import BrokerSegment, settled, take_payloads
 from grader.wire import Frame
 
 #: Frames that carry at most this many payload bytes in themselves (not in the segment)
@@ -159,7 +159,7 @@ class Connections(ABC):
 
         try:
             while (frame := wire.recv_frame(sock, self._frame_bytes, beginning)) is not None:
-                unreadable = _take_payloads(state.segment, frame)  # outside the lock
+                unreadable = _take_payloads(state.segment, frame, self._holds(frame))
                 with self._cv:
                     outcome = state.outcome
                     if relayed and frame.header["type"] in protocol.RELAY_ONLY:
@@ -214,8 +214,8 @@ class Connections(ABC):
             return None
         queued: Frame | bytes = frame
         if not outbox.busy and isinstance(state.sock, socket.socket):  # not a relay's channel
-            if state.segment is not None:
-                frame = queued = state.segment.place(frame)
+            shared = state.segment
+            frame = queued = shared.place(frame) if shared is not None else settled(frame)
             if sum(map(len, frame.buffers)) <= DIRECT:
                 data = b"".join([wire.head_of(frame), *frame.buffers])
                 at = time.monotonic()  # before the write: the rank may run as soon as it is in
@@ -269,7 +269,7 @@ class Connections(ABC):
                     if isinstance(item, bytes):  # the rest of a frame begun at once
                         _write_all(sock, [item], outbox)
                     else:
-                        item = shared.place(item) if shared else item
+                        item = shared.place(item) if shared else settled(item)
                         _write_all(sock, [wire.head_of(item), *item.buffers], outbox)
         except OSError:
             pass
@@ -284,6 +284,11 @@ class Connections(ABC):
     def _handle(self, rank: int, frame: Frame, unreadable: wire.WireError | None) -> None:
         """A frame from ``rank``'s own code (under the lock); ``unreadable``: why the payloads
         it names in the rank's segment could not be taken (:func:`_take_payloads`)."""
+
+    @abstractmethod
+    def _holds(self, frame: Frame) -> bool:
+        """Whether ``frame``'s payloads stay in its rank's out ring until handed over
+        (:class:`grader.segment.Held`), read before the lock is taken."""
 
     @abstractmethod
     def _records(self, rank: int) -> tuple[int, int]:
@@ -332,12 +337,15 @@ def _freed(outbox: Outbox, began: Reading | None) -> float | None:
     return min(moments, default=None)
 
 
-def _take_payloads(segment: BrokerSegment | None, frame: Frame) -> wire.WireError | None:
-    """The broker's own copy of the payloads ``frame`` names in the rank's segment, made on the
-    rank's reader thread before the broker's lock is taken, so that the copies of several
-    ranks run side by side; the error, if they cannot be taken."""
+def _take_payloads(
+    segment: BrokerSegment | None, frame: Frame, hold: bool
+) -> wire.WireError | None:
+    """The broker's own copy of the payloads ``frame`` names in the rank's segment (or with
+    ``hold``, what refers to them there), made on the rank's reader thread before the broker's
+    lock is taken, so that the copies of several ranks run side by side; the error, if they
+    cannot be taken."""
     try:
-        take_payloads(segment, frame)
+        take_payloads(segment, frame, hold)
     except wire.WireError as err:
         return err
     return None

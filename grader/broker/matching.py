@@ -33,6 +33,11 @@ class Matching(Connections):
         self.keep_payloads = True  # the call's record keeps what each operation carried
         self._reset_call()
 
+    def _holds(self, frame: Frame) -> bool:
+        """A message's payload stays in its sender's ring until handed over, in a call whose
+        record keeps no payloads: then nothing but its receiver reads it."""
+        return not self.keep_payloads and frame.header.get("type") == protocol.SEND
+
     def _records(self, rank: int) -> tuple[int, int]:
         if rank >= len(self.traffic.per_rank):
             return 0, 0
@@ -220,3 +225,6 @@ class Matching(Connections):
         self._collectives: dict[tuple[tuple[int, ...], int], dict[int, Op]] = {}
         self._sequence: dict[tuple[int, tuple[int, ...]], int] = defaultdict(int)
         self._leftovers_checked = False
+        for state in self._ranks:  # the last call's messages never handed over
+            if state.segment is not None:
+                state.segment.unhold()

@@ -48,6 +48,7 @@ from grader.broker.ops import (
 from grader.broker.traffic import Event, GatePass, Wait
 from grader.failures import Fault
 from grader.protocol import ProtocolError, RankError, RankExit, clean, field_int
+from grader.segment import settled
 from grader.wire import Frame
 
 
@@ -229,6 +230,7 @@ class Broker(Matching):
         if self._check_peer(op) and self._hold(state, op, len(frame.buffers[0])):
             if self.keep_payloads:
                 state.record(len(frame.buffers[0]), self.limits)
+                frame = settled(frame)  # held as it was read, just before this call began
             op.payload = frame.buffers
             self._queue(self._sends, (op.rank, op.peer, op.tag), op)
 

@@ -2,8 +2,11 @@
 that writes what it likes into its own.
 
 What the broker records and hands on is its own copy, made once as it reads the frame: a
-rank that rewrites its ring afterwards changes neither. A frame naming bytes outside the
-ring breaks the protocol; the segment's size is sealed; no segment outlives its job.
+rank that rewrites its ring afterwards changes neither. In a call whose record keeps no
+payloads, a message's payload stays in its sender's ring until it is handed over, copied
+once straight into its receiver's: the sender's later payloads never overwrite it, and what
+a call left held is let go at the next. A frame naming bytes outside the ring breaks the
+protocol; the segment's size is sealed; no segment outlives its job.
 """
 
 from __future__ import annotations
@@ -20,7 +23,14 @@ from grader import failures, sandbox, wire
 from grader.course.submission import stage
 from grader.launch.job import job_settings
 from grader.launch.world import CallLimits, RankPool
-from grader.segment import RING_BYTES, BrokerSegment, RankSegment, Ring, take_payloads
+from grader.segment import (
+    RING_BYTES,
+    BrokerSegment,
+    Held,
+    RankSegment,
+    Ring,
+    take_payloads,
+)
 from grader.wire import Frame
 
 
@@ -46,6 +56,68 @@ def test_what_the_broker_took_is_its_own_copy(pair: tuple[BrokerSegment, RankSeg
     assert bytes(frame.buffers[0]) == sent.numpy().tobytes()
     assert bytes(frame.buffers[1]) == b"header bytes"
     assert "shm" not in frame.header
+
+
+@pytest.fixture
+def receiver() -> Iterator[tuple[BrokerSegment, RankSegment]]:
+    """A second rank's segment, as :func:`pair`."""
+    broker = BrokerSegment()
+    rank = RankSegment(os.dup(broker.fd))
+    broker.handed()
+    broker.mapped = True
+    yield broker, rank
+    broker.close()
+
+
+QUARTER = RING_BYTES // 4
+
+
+def _hold_half_of_the_ring(broker: BrokerSegment, rank: RankSegment, sent: torch.Tensor) -> Held:
+    """The rank's out ring after three sends: a quarter taken, ``sent`` (half the ring) held,
+    a quarter taken; the rank's next payload starts the ring over."""
+    broker.take(Frame({"type": "send", "shm": rank.put([b"a" * QUARTER])}))
+    message = Frame({"type": "send", "shm": rank.put([sent])})
+    broker.take(message, hold=True)
+    broker.take(Frame({"type": "send", "shm": rank.put([b"c" * QUARTER])}))
+    (held,) = message.buffers
+    assert isinstance(held, Held) and len(held) == 2 * QUARTER
+    return held
+
+
+def test_a_held_payload_goes_straight_into_its_receivers_ring(
+    pair: tuple[BrokerSegment, RankSegment], receiver: tuple[BrokerSegment, RankSegment]
+) -> None:
+    broker, rank = pair
+    sent = torch.arange(2 * QUARTER // 4, dtype=torch.float32)
+    held = _hold_half_of_the_ring(broker, rank, sent)
+    # Held, it is never written over: only the ring's first quarter is free again.
+    assert rank.put([b"d" * (QUARTER + 1)]) is None
+    handed = receiver[0].place(Frame({"type": "done", "op": 1}, [held]))
+    assert bytes(receiver[1].views(handed.header["shm"])[0]) == sent.numpy().tobytes()
+    assert rank.put([b"d" * (QUARTER + 1)]) is not None  # handed over: its place is free
+
+
+def test_a_held_payload_to_a_rank_without_its_ring_mapped_goes_in_the_frame(
+    pair: tuple[BrokerSegment, RankSegment],
+) -> None:
+    broker, rank = pair
+    frame = Frame({"type": "send", "shm": rank.put([b"payload"])})
+    broker.take(frame, hold=True)
+    unmapped = BrokerSegment()
+    try:
+        handed = unmapped.place(Frame({"type": "done"}, frame.buffers))
+        assert "shm" not in handed.header and bytes(handed.buffers[0]) == b"payload"
+    finally:
+        unmapped.close()
+
+
+def test_what_a_call_left_held_is_let_go(pair: tuple[BrokerSegment, RankSegment]) -> None:
+    broker, rank = pair
+    held = _hold_half_of_the_ring(broker, rank, torch.ones(2 * QUARTER // 4))
+    assert rank.put([b"d" * (QUARTER + 1)]) is None
+    broker.unhold()  # the next call began: the message will never be received
+    assert rank.put([b"d" * (QUARTER + 1)]) is not None
+    assert bytes(broker.copy_held(held)) == bytes(2 * QUARTER)  # no stale bytes handed on
 
 
 @pytest.mark.parametrize(
@@ -162,6 +234,37 @@ def test_a_rank_rewriting_its_ring_after_a_send_changes_nothing(pool: RankPool) 
     send = next(e for e in out.traffic.per_rank[0] if e.op == "send" and e.tag == 1)
     assert send.nbytes == 4 * n and bytes(send.payload) == torch.ones(n).numpy().tobytes()
     assert out.traffic.delivered[1] >= 4 * n
+
+
+def test_held_messages_arrive_whole_however_many_wait(pool: RankPool) -> None:
+    """In calls whose record keeps no payloads: six 4 MiB messages wait at once, more than a
+    16 MiB ring holds (the later ones travel in their frames), received last first."""
+    n, count = 1 << 20, 6
+    for _ in range(2):  # the first call's held payloads leave the ring as it was
+        out = pool.call(2, "function", "collectives.many_held", [(n, count)] * 2,
+                        CallLimits(timeout=60), "", keep_payloads=False)  # fmt: skip
+        assert out.returned[1] == [True] * count
+        sends = [e for e in out.traffic.per_rank[0] if e.op == "send"]
+        assert [e.nbytes for e in sends] == [4 * n] * count
+        assert all(e.payload == b"" for e in sends)
+        assert out.traffic.delivered[1] >= count * 4 * n
+
+
+def test_a_rank_rewriting_a_held_payload_changes_only_what_its_receiver_gets(
+    pool: RankPool,
+) -> None:
+    """A payload held in its sender's ring is the sender's to garble, as a tensor written
+    during an isend is in gloo: its size and the record stay the broker's."""
+    n = 1 << 18
+    out = pool.call(2, "function", "collectives.rewrite_after_send", [(n,)] * 2,
+                    CallLimits(timeout=60), "", keep_payloads=False)  # fmt: skip
+    rewrites, received = out.returned
+    assert rewrites > 0 and received.shape == (n,)
+    sevens = torch.frombuffer(bytearray(b"\x07" * 4 * n), dtype=torch.float32)
+    assert torch.equal(received, torch.ones(n)) or torch.equal(received, sevens)
+    send = next(e for e in out.traffic.per_rank[0] if e.op == "send" and e.tag == 1)
+    assert send.nbytes == 4 * n and send.payload == b""
+    test_held_messages_arrive_whole_however_many_wait(pool)  # and the job serves on
 
 
 def test_a_frame_naming_bytes_outside_its_segment_breaks_the_protocol(pool: RankPool) -> None:

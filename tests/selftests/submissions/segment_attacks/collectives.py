@@ -38,6 +38,22 @@ def rewrite_after_send(n):
     return got
 
 
+def many_held(n, count):
+    """Rank 0 sends ``count`` messages of ``n`` floats, message i all i's, before rank 1
+    receives any; rank 1 receives them last first: whether each arrived whole."""
+    if dist.get_rank() == 0:
+        works = [dist.isend(torch.full((n,), float(i)), 1, tag=10 + i) for i in range(count)]
+        for work in works:
+            work.wait()
+        return None
+    arrived = []
+    for i in reversed(range(count)):
+        got = torch.empty(n)
+        dist.recv(got, 0, tag=10 + i)
+        arrived.append(torch.equal(got, torch.full((n,), float(i))))
+    return arrived[::-1]
+
+
 def place_outside():
     """A send whose payload, the frame says, runs past the end of the out ring."""
     current = link.current()
