@@ -168,9 +168,11 @@ class RankState:
     segment: BrokerSegment | None = None  # its shared memory (None: reached by a relay)
     local: LocalTime = field(default_factory=LocalTime.unmeasured)  # this call's local time
 
-    def start_call(self, gates: list[Gate]) -> None:
+    def start_call(self, gates: list[Gate], timed: bool) -> None:
+        """A call begins; ``timed``: its local time is measured (:class:`LocalTime`)."""
         self.running, self.outcome, self.stack, self.broken = True, None, None, False
-        self.local = LocalTime() if self.meter is not None else LocalTime.unmeasured()
+        measured = timed and self.meter is not None
+        self.local = LocalTime() if measured else LocalTime.unmeasured()
         self.buffered = self.posted = self.recorded = self.gate_from = 0
         self.gates = list(gates)
 

@@ -72,21 +72,24 @@ class Broker(Matching):
         forbid_collectives: bool,
         gates: list[list[Gate]] | None = None,
         keep_payloads: bool = True,
+        timed: bool = False,
     ) -> None:
         """Send rank r ``frames[r]``: the call runs on the first ``len(frames)`` ranks, rank r's
         scenario passing ``gates[r]`` in order (:class:`~grader.broker.ops.Gate`).
         ``keep_payloads``: the call's record keeps what every message and collective carried,
-        for the tests that read it; without it, a payload lives only until it is delivered."""
+        for the tests that read it; without it, a payload lives only until it is delivered.
+        ``timed``: each rank's local time is measured, from the kernel's figures read at its
+        every frame (the performance tests'); other calls read none."""
         with self._cv:
             self.active = len(frames)
             self._reset_call()
             self.forbid_collectives = forbid_collectives
             self.keep_payloads = keep_payloads
             for state, frame in zip(self._ranks, frames, strict=False):
-                state.start_call(gates[state.rank] if gates else [])
+                state.start_call(gates[state.rank] if gates else [], timed)
                 # Its figures before it has the call, free once it has: what it runs as soon
                 # as the frame arrives counts, however late this thread gets a CPU again.
-                before = state.meter.read() if state.meter else None
+                before = state.meter.read() if state.meter and state.local.measured else None
                 self._release(state.rank, before, self._send(state.rank, frame))
             self.traffic.local = [state.local for state in self._ranks[: self.active]]
 

@@ -92,13 +92,15 @@ class World:
         case: str = "",
         gates: Sequence[Sequence[Gate]] = (),
         keep_payloads: bool = True,
+        timed: bool = False,
     ) -> CallResult:
         """Run ``function`` (``"part.name"`` of the submission) or the grader's ``scenario``
         (``"part.name"`` in :mod:`grader.scenarios`) on every rank, rank r on ``args[r]``;
         rank r's scenario passes ``gates[r]`` (:class:`grader.broker.ops.Gate`) in order.
         ``keep_payloads=False``: the result's traffic records every message and collective,
         but not what they carried (``Event.payload`` is empty): for calls that move megabytes
-        and whose tests read only sizes, times and results."""
+        and whose tests read only sizes, times and results. ``timed``: the broker measures each
+        rank's local work (``out.traffic.local_work()``), for the performance tests."""
         if len(args) != self.size:
             raise ValueError(f"call needs arguments for {self.size} ranks, got {len(args)}")
         if gates and not keep_payloads:
@@ -108,7 +110,16 @@ class World:
         try:
             target = function or scenario or ""
             return self._pool.call(
-                self.size, key, target, args, self.limits, case, gates, keep_payloads, fresh
+                self.size,
+                key,
+                target,
+                args,
+                self.limits,
+                case,
+                gates,
+                keep_payloads,
+                fresh,
+                timed=timed,
             )
         except (failures.RankFailure, failures.GraderFailure):
             raise
@@ -149,6 +160,7 @@ class RankPool:
         gates: Sequence[Sequence[Gate]] = (),
         keep_payloads: bool = True,
         fresh: bool = False,
+        timed: bool = False,
     ) -> CallResult:
         """Run ``target`` on the first ``world_size`` ranks; ``fresh``: a test's first call,
         for which every rank starts the submission afresh (:mod:`grader.rank.fresh`)."""
@@ -171,7 +183,7 @@ class RankPool:
             frames.append(Frame(header, buffers))
         started = time.monotonic()
         job.broker.start_call(
-            frames, limits.forbid_collectives, [list(g) for g in gates], keep_payloads
+            frames, limits.forbid_collectives, [list(g) for g in gates], keep_payloads, timed
         )
         finished = job.broker.wait_call(started + limits.timeout)
         seconds = time.monotonic() - started

@@ -178,11 +178,13 @@ def time_calls(
     def both(key: str) -> tuple[CallResult, Timed | None, Timed | None]:
         args, expected = collective_call(function, world.size, n, key)
         # Only sizes, times and results are judged here: 4 MB payloads are not kept.
-        out = world.call(target, args, case=case, keep_payloads=False)
+        out = world.call(target, args, case=case, keep_payloads=False, timed=True)
         check(out, expected)
         if reference is None:
             return out, Timed.of(out.traffic), None
-        theirs = reference.call(target, args, case=f"the reference's {case}", keep_payloads=False)
+        theirs = reference.call(
+            target, args, case=f"the reference's {case}", keep_payloads=False, timed=True
+        )
         return out, Timed.of(out.traffic), Timed.of(theirs.traffic)
 
     for i in range(WARM_UPS):

@@ -9,15 +9,21 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
+import torch
+from runner import REPO
 
-from grader import protocol, wire
+from grader import protocol, sandbox, wire
 from grader.broker import accounting
 from grader.broker.accounting import Gap, LocalTime, Reading
 from grader.broker.server import Broker
 from grader.broker.traffic import Event, RankWork, Traffic, Wait
+from grader.course.submission import stage
 from grader.judge.projection import LOCAL_WORK, project
+from grader.launch.job import job_settings
+from grader.launch.world import CallLimits, RankPool, World
 from grader.testkit.costs import NO_REFERENCE, Timed, judge_performance, local_ratio
 
 linux = pytest.mark.skipif(sys.platform != "linux", reason="/proc and SO_PEERCRED are Linux's")
@@ -102,7 +108,7 @@ def test_a_rank_is_free_from_the_write_that_woke_it_however_late_the_broker_runs
     try:
         assert broker.wait_connected(time.monotonic() + 10)
         call = wire.Frame({"type": protocol.CALL}, [bytes(payload)] if payload else [])
-        broker.start_call([call], forbid_collectives=False)
+        broker.start_call([call], forbid_collectives=False, timed=True)
         sleeper.join(10)
         served.join(10)
         local = broker.traffic.local[0]
@@ -157,7 +163,7 @@ def test_a_rank_computing_while_a_frame_is_written_to_it_is_never_outside(tmp_pa
         assert broker.wait_connected(time.monotonic() + 30)
         assert child.stdout is not None and child.stdout.readline() == b"ready\n"
         call = wire.Frame({"type": protocol.CALL}, [bytes(64 << 20)])  # never in the segment
-        broker.start_call([call], forbid_collectives=False)
+        broker.start_call([call], forbid_collectives=False, timed=True)
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline and len(broker.traffic.local[0].gaps) < 2:
             time.sleep(0.01)
@@ -355,3 +361,27 @@ def test_the_busier_ratio_decides_and_unjudged_local_work_says_why() -> None:
     alone = judge_performance("all_reduce", 2, 8, log, log, 1.5, 3.0, timed(0.05), NO_REFERENCE)
     assert alone.fraction == 1.0 and alone.details["local_ratio"] is None
     assert f"local work not judged: {NO_REFERENCE}" in alone.message
+
+
+@linux
+def test_only_a_timed_call_reads_the_ranks_clocks(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A reading of a rank's clocks costs the broker some 10 µs a frame: a call that is not
+    timed (all but the performance tests') reads none, and has no local work to judge."""
+    reads: list[int] = []
+    read = accounting.Meter.read
+    monkeypatch.setattr(accounting.Meter, "read", lambda self: reads.append(1) or read(self))
+    stage(REPO / "reference", tmp_path / "import")
+    pool = RankPool(2, job_settings(tmp_path, sandbox.Level.NONE, "cpu"))
+    try:
+        world = World(2, pool, CallLimits(timeout=60))
+        args = [(torch.full((1000,), float(r)),) for r in range(2)]
+        world.call("collectives.all_reduce", args)  # the job's start, and a first import
+        reads.clear()
+        untimed = world.call("collectives.all_reduce", args)
+        assert reads == [] and untimed.traffic.local_work() is None
+        timed = world.call("collectives.all_reduce", args, timed=True)
+        assert reads and timed.traffic.local_work() is not None
+    finally:
+        pool.close()
