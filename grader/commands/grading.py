@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+import torch
 
 from grader import protocol, sandbox
 from grader.commands import interrupts
@@ -75,6 +76,10 @@ class Session:
     """
 
     def __init__(self, workspace: Workspace, nodes: Nodes | None = None, warm: bool = False):
+        # The graded tests' own tensors (inputs, expected values, comparisons) on one thread,
+        # as the ranks' are: a second one spins after each parallel operation, on a CPU the
+        # ranks need (4.6 s of CPU in a whole grading of the reference on 2 cores).
+        torch.set_num_threads(1)
         self.workspace, self.config = workspace, workspace.config
         self.nodes, self.warm = nodes, warm
         self._reference: RankPool | None = None
