@@ -54,6 +54,8 @@ SEGMENT_BYTES = CONTROL_BYTES + 2 * RING_BYTES
 _OUT_READ, _IN_READ = 0, 8  # the control block: how far each ring has been consumed
 _COUNTER = struct.Struct("=Q")
 _MAX_POSITION = 1 << 62
+#: Payloads held at once in one rank's out ring, at most; past it they are copied out as read.
+HELD_MAX = 256
 #: Linux has sealed memfds; elsewhere (a student's Mac) every payload travels in its frame.
 AVAILABLE = hasattr(os, "memfd_create") and hasattr(fcntl, "F_SEAL_SHRINK")
 _SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL if AVAILABLE else 0
@@ -89,9 +91,11 @@ class Ring:
 
 def _places(raw: Any, ring: Ring) -> list[list[int]]:
     """The header's ``shm`` field as checked (position, length) pairs: a WireError unless
-    every one lies inside the ring."""
+    every one lies inside the ring, and all of them fit in it at once (as a frame's payloads
+    do, reserved together: a frame of a few bytes never makes the reader copy gigabytes)."""
     if not isinstance(raw, list) or len(raw) > wire.MAX_BUFFERS:
         raise wire.WireError("shared-memory payloads are not a list")
+    total = 0
     for place in raw:
         if not (
             isinstance(place, list)
@@ -101,6 +105,9 @@ def _places(raw: Any, ring: Ring) -> list[list[int]]:
             and 0 <= place[1] <= ring.size - place[0] % ring.size
         ):
             raise wire.WireError("a shared-memory payload outside the segment")
+        total += place[1]
+    if total > ring.size:
+        raise wire.WireError("shared-memory payloads larger than the ring")
     return raw
 
 
@@ -148,9 +155,10 @@ class BrokerSegment:
         with self._taking:
             if self._closed:
                 raise wire.WireError("the connection is closing")
-            if hold:
-                frame.buffers = [Held(self, place[0], place[1]) for place in places]
-                self._held.update(places)
+            if hold and len(places) == 1 and places[0][1] and len(self._held) < HELD_MAX:
+                (place,) = places  # a send's one payload, not empty (an empty one is no place)
+                frame.buffers = [Held(self, place[0], place[1])]
+                self._held[place[0]] = place[1]
             else:
                 frame.buffers = [self._copy(self.out.span(place)) for place in places]
             if places:

@@ -159,8 +159,15 @@ class Connections(ABC):
 
         try:
             while (frame := wire.recv_frame(sock, self._frame_bytes, beginning)) is not None:
-                unreadable = _take_payloads(state.segment, frame, self._holds(frame))
+                hold = state.running and self._holds(frame)
+                unreadable = _take_payloads(state.segment, frame, hold)
                 with self._cv:
+                    late = began[0] is None and state.running and state.local.measured
+                    if late and meter is not None:
+                        # A frame begun before this call started, and timed: read now, which
+                        # only counts more of the rank's time (unread, the whole call would
+                        # go unmeasured, as a rank that leaves a frame half-sent would like).
+                        began[0] = meter.read()
                     outcome = state.outcome
                     if relayed and frame.header["type"] in protocol.RELAY_ONLY:
                         self._relay_said(rank, frame)

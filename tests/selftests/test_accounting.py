@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from runner import REPO
+from runner import REPO, SUBMISSIONS
 
 from grader import protocol, sandbox, wire
 from grader.broker import accounting
@@ -383,5 +383,24 @@ def test_only_a_timed_call_reads_the_ranks_clocks(
         assert reads == [] and untimed.traffic.local_work() is None
         timed = world.call("collectives.all_reduce", args, timed=True)
         assert reads and timed.traffic.local_work() is not None
+    finally:
+        pool.close()
+
+
+@linux
+@pytest.mark.parametrize("name", ["burn", "half_sent"])
+def test_a_frame_begun_before_a_timed_call_leaves_it_measured(tmp_path: Path, name: str) -> None:
+    """A rank that sends the first bytes of a frame before a timed call starts, and the rest
+    once it runs, is measured all the same: its 0.3 s of CPU a call are charged."""
+    stage(SUBMISSIONS / "accounting_attacks", tmp_path / "import")
+    pool = RankPool(2, job_settings(tmp_path, sandbox.Level.NONE, "cpu"))
+    try:
+        world = World(2, pool, CallLimits(timeout=60))
+        world.call(f"collectives.{name}", [(0.0,)] * 2)  # untimed: no clock read
+        for _ in range(2):
+            out = world.call(f"collectives.{name}", [(0.3,)] * 2, keep_payloads=False, timed=True)
+            work = out.traffic.local_work()
+            assert work is not None, "the call went unmeasured"
+            assert all(rank.cpu >= 0.25 for rank in work), [rank.cpu for rank in work]
     finally:
         pool.close()

@@ -24,6 +24,7 @@ from grader.course.submission import stage
 from grader.launch.job import job_settings
 from grader.launch.world import CallLimits, RankPool
 from grader.segment import (
+    HELD_MAX,
     RING_BYTES,
     BrokerSegment,
     Held,
@@ -111,6 +112,39 @@ def test_a_held_payload_to_a_rank_without_its_ring_mapped_goes_in_the_frame(
         unmapped.close()
 
 
+def test_a_message_after_an_empty_one_is_held_apart_from_it(
+    pair: tuple[BrokerSegment, RankSegment], receiver: tuple[BrokerSegment, RankSegment]
+) -> None:
+    """An empty payload takes no room, so the next one starts where it would: handing the
+    empty one over must not let go of the next."""
+    broker, rank = pair
+    empty = Frame({"type": "send", "shm": rank.put([torch.empty(0)])})
+    full = Frame({"type": "send", "shm": rank.put([torch.full((1024,), 3.0)])})
+    broker.take(empty, hold=True)
+    broker.take(full, hold=True)
+    for frame in (empty, full):
+        handed = receiver[0].place(Frame({"type": "done"}, frame.buffers))
+        got = receiver[1].views(handed.header["shm"])[0]
+        assert bytes(got) == (b"" if frame is empty else torch.full((1024,), 3.0).numpy().tobytes())
+        receiver[1].release(handed.header["shm"])
+
+
+def test_a_rank_cannot_make_the_broker_hold_without_end(
+    pair: tuple[BrokerSegment, RankSegment],
+) -> None:
+    """A frame naming many places, or the held payloads past :data:`HELD_MAX`, are copied out
+    as read, as in a recorded call: what a rank makes the broker keep stays bounded."""
+    broker, rank = pair
+    many = Frame({"type": "send", "shm": [[i, 1] for i in range(64)]})
+    broker.take(many, hold=True)
+    assert not any(isinstance(b, Held) for b in many.buffers)
+    frames = [Frame({"type": "send", "shm": rank.put([b"x"])}) for _ in range(HELD_MAX + 1)]
+    for frame in frames:
+        broker.take(frame, hold=True)
+    assert [isinstance(f.buffers[0], Held) for f in frames] == [True] * HELD_MAX + [False]
+    assert bytes(frames[-1].buffers[0]) == b"x"
+
+
 def test_what_a_call_left_held_is_let_go(pair: tuple[BrokerSegment, RankSegment]) -> None:
     broker, rank = pair
     held = _hold_half_of_the_ring(broker, rank, torch.ones(2 * QUARTER // 4))
@@ -130,6 +164,7 @@ def test_what_a_call_left_held_is_let_go(pair: tuple[BrokerSegment, RankSegment]
         [["0", 4]],
         [[0, True]],
         [[0, 4, 4]],
+        [[0, RING_BYTES]] * 2,  # a few bytes of header, 32 MiB for the broker to copy
         "everything",
     ],
 )
@@ -248,6 +283,12 @@ def test_held_messages_arrive_whole_however_many_wait(pool: RankPool) -> None:
         assert [e.nbytes for e in sends] == [4 * n] * count
         assert all(e.payload == b"" for e in sends)
         assert out.traffic.delivered[1] >= count * 4 * n
+
+
+def test_a_message_after_an_empty_one_arrives_whole(pool: RankPool) -> None:
+    out = pool.call(2, "function", "collectives.empty_then_full", [(1024,)] * 2,
+                    CallLimits(timeout=60), "", keep_payloads=False)  # fmt: skip
+    assert out.returned[1] is True
 
 
 def test_a_rank_rewriting_a_held_payload_changes_only_what_its_receiver_gets(

@@ -54,6 +54,21 @@ def many_held(n, count):
     return arrived[::-1]
 
 
+def empty_then_full(n):
+    """Rank 0 sends an empty tensor, then ``n`` threes, before rank 1 receives either (it is
+    busy elsewhere): whether the threes arrived whole."""
+    if dist.get_rank() == 0:
+        works = [dist.isend(torch.empty(0), 1, tag=1), dist.isend(torch.full((n,), 3.0), 1, tag=2)]
+        for work in works:
+            work.wait()
+        return None
+    time.sleep(0.2)
+    dist.recv(torch.empty(0), 0, tag=1)
+    got = torch.empty(n)
+    dist.recv(got, 0, tag=2)
+    return torch.equal(got, torch.full((n,), 3.0))
+
+
 def place_outside():
     """A send whose payload, the frame says, runs past the end of the out ring."""
     current = link.current()
