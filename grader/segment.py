@@ -171,21 +171,21 @@ class BrokerSegment:
         _COUNTER.pack_into(self.map, _OUT_READ, min(self._held, default=self._taken))
 
     def copy_held(self, held: Held, into: memoryview | None = None) -> memoryview:
-        """Copy a payload held in the out ring into ``into`` (a new buffer of the broker's
-        if None), and let the rank write over it. A payload no longer held (its sender's
-        connection closed, or its call ended) comes as zeros: its call has failed already."""
+        """Copy a payload held in the out ring into ``into`` (else into a new buffer of the
+        broker's, read-only, as :meth:`take` makes), and let the rank write over it. A payload
+        no longer held (its sender's connection closed, or its call ended) comes as zeros: its
+        call has failed already."""
         target = into if into is not None else memoryview(bytearray(held.length))
         with self._taking:
             if self._closed or self._held.pop(held.position, None) is None:
                 target[:] = bytes(held.length)
-                return target
-            span = self.out.span([held.position, held.length])
-            if held.length:
+            else:
+                span = self.out.span([held.position, held.length])
                 numpy.frombuffer(target, dtype=numpy.uint8)[:] = numpy.frombuffer(
                     self.map, dtype=numpy.uint8, count=held.length, offset=span.start
                 )
-            self._consumed()
-        return target
+                self._consumed()
+        return target if into is not None else target.toreadonly()
 
     def unhold(self) -> None:
         """A call ended: what it left held will never be handed over."""
