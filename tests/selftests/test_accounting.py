@@ -9,21 +9,15 @@ import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 
 import pytest
-import torch
-from runner import REPO, SUBMISSIONS
 
-from grader import protocol, sandbox, wire
+from grader import protocol, wire
 from grader.broker import accounting
 from grader.broker.accounting import Gap, LocalTime, Reading
 from grader.broker.server import Broker
 from grader.broker.traffic import Event, RankWork, Traffic, Wait
-from grader.course.submission import stage
 from grader.judge.projection import LOCAL_WORK, project
-from grader.launch.job import job_settings
-from grader.launch.world import CallLimits, RankPool, World
 from grader.testkit.costs import NO_REFERENCE, Timed, judge_performance, local_ratio
 
 linux = pytest.mark.skipif(sys.platform != "linux", reason="/proc and SO_PEERCRED are Linux's")
@@ -361,46 +355,3 @@ def test_the_busier_ratio_decides_and_unjudged_local_work_says_why() -> None:
     alone = judge_performance("all_reduce", 2, 8, log, log, 1.5, 3.0, timed(0.05), NO_REFERENCE)
     assert alone.fraction == 1.0 and alone.details["local_ratio"] is None
     assert f"local work not judged: {NO_REFERENCE}" in alone.message
-
-
-@linux
-def test_only_a_timed_call_reads_the_ranks_clocks(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A reading of a rank's clocks costs the broker some 10 µs a frame: a call that is not
-    timed (all but the performance tests') reads none, and has no local work to judge."""
-    reads: list[int] = []
-    read = accounting.Meter.read
-    monkeypatch.setattr(accounting.Meter, "read", lambda self: reads.append(1) or read(self))
-    stage(REPO / "reference", tmp_path / "import")
-    pool = RankPool(2, job_settings(tmp_path, sandbox.Level.NONE, "cpu"))
-    try:
-        world = World(2, pool, CallLimits(timeout=60))
-        args = [(torch.full((1000,), float(r)),) for r in range(2)]
-        world.call("collectives.all_reduce", args)  # the job's start, and a first import
-        reads.clear()
-        untimed = world.call("collectives.all_reduce", args)
-        assert reads == [] and untimed.traffic.local_work() is None
-        timed = world.call("collectives.all_reduce", args, timed=True)
-        assert reads and timed.traffic.local_work() is not None
-    finally:
-        pool.close()
-
-
-@linux
-@pytest.mark.parametrize("name", ["burn", "half_sent"])
-def test_a_frame_begun_before_a_timed_call_leaves_it_measured(tmp_path: Path, name: str) -> None:
-    """A rank that sends the first bytes of a frame before a timed call starts, and the rest
-    once it runs, is measured all the same: its 0.3 s of CPU a call are charged."""
-    stage(SUBMISSIONS / "accounting_attacks", tmp_path / "import")
-    pool = RankPool(2, job_settings(tmp_path, sandbox.Level.NONE, "cpu"))
-    try:
-        world = World(2, pool, CallLimits(timeout=60))
-        world.call(f"collectives.{name}", [(0.0,)] * 2)  # untimed: no clock read
-        for _ in range(2):
-            out = world.call(f"collectives.{name}", [(0.3,)] * 2, keep_payloads=False, timed=True)
-            work = out.traffic.local_work()
-            assert work is not None, "the call went unmeasured"
-            assert all(rank.cpu >= 0.25 for rank in work), [rank.cpu for rank in work]
-    finally:
-        pool.close()
