@@ -170,22 +170,19 @@ class BrokerSegment:
         to the first payload still held (under ``_taking``)."""
         _COUNTER.pack_into(self.map, _OUT_READ, min(self._held, default=self._taken))
 
-    def copy_held(self, held: Held, into: memoryview | None = None) -> memoryview:
-        """Copy a payload held in the out ring into ``into`` (else into a new buffer of the
-        broker's, read-only, as :meth:`take` makes), and let the rank write over it. A payload
-        no longer held (its sender's connection closed, or its call ended) comes as zeros: its
-        call has failed already."""
-        target = into if into is not None else memoryview(bytearray(held.length))
+    def copy_held(self, held: Held, into: memoryview) -> None:
+        """Copy a payload held in the out ring into ``into``, and let the rank write over it.
+        A payload no longer held (its sender's connection closed, or its call ended) comes as
+        zeros: its call has failed already."""
         with self._taking:
             if self._closed or self._held.pop(held.position, None) is None:
-                target[:] = bytes(held.length)
-            else:
-                span = self.out.span([held.position, held.length])
-                numpy.frombuffer(target, dtype=numpy.uint8)[:] = numpy.frombuffer(
-                    self.map, dtype=numpy.uint8, count=held.length, offset=span.start
-                )
-                self._consumed()
-        return target if into is not None else target.toreadonly()
+                into[:] = bytes(held.length)
+                return
+            span = self.out.span([held.position, held.length])
+            numpy.frombuffer(into, dtype=numpy.uint8)[:] = numpy.frombuffer(
+                self.map, dtype=numpy.uint8, count=held.length, offset=span.start
+            )
+            self._consumed()
 
     def unhold(self) -> None:
         """A call ended: what it left held will never be handed over."""
@@ -257,8 +254,16 @@ def settled(frame: wire.Frame) -> wire.Frame:
     frame that goes out with its payloads, or is kept."""
     if not any(isinstance(b, Held) for b in frame.buffers):
         return frame
-    buffers = [b.segment.copy_held(b) if isinstance(b, Held) else b for b in frame.buffers]
+    buffers = [_copied(b) if isinstance(b, Held) else b for b in frame.buffers]
     return wire.Frame(frame.header, buffers)
+
+
+def _copied(held: Held) -> memoryview:
+    """A held payload copied into the broker's memory, read-only, as :meth:`BrokerSegment.take`
+    copies the others (numpy's heap: see :meth:`BrokerSegment._copy`)."""
+    copy = numpy.empty(held.length, dtype=numpy.uint8)
+    held.segment.copy_held(held, memoryview(copy))
+    return memoryview(copy).toreadonly()
 
 
 def take_payloads(segment: BrokerSegment | None, frame: wire.Frame, hold: bool = False) -> None:
