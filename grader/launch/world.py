@@ -110,16 +110,7 @@ class World:
         try:
             target = function or scenario or ""
             return self._pool.call(
-                self.size,
-                key,
-                target,
-                args,
-                self.limits,
-                case,
-                gates,
-                keep_payloads,
-                fresh,
-                timed=timed,
+                self.size, key, target, args, self.limits, case, gates, keep_payloads, fresh, timed
             )
         except (failures.RankFailure, failures.GraderFailure):
             raise

@@ -1,4 +1,4 @@
-"""Attacks on the broker's accounting of local time (``test_accounting.py``).
+"""Attacks on the broker's accounting of local time (``test_timed_calls.py``).
 
 The broker reads a rank's clocks when each of its frames begins to arrive, in a timed call
 only. A rank that could make a timed call's frames look as if they began before the call
