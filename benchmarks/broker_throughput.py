@@ -16,6 +16,13 @@ calls judge only sizes and times). For the broker it also prints the whole call
 as the grader waits for it: the loop, plus handing each rank its arguments (the
 4 MB tensor), starting and ending the call.
 
+Each side's CPU a ring step is printed beside it: every rank process's CPU time
+during the loop (all its threads, ``time.process_time``), and for the broker the
+grader's process during the whole call (the broker's threads), with the share
+of the machine's cores that kept busy. Where both sides keep the cores busy
+alike, the throughput ratio is their CPU ratio: the broker's side is as fast as
+its CPU a message allows, not slowed by waiting.
+
 The two sides take turns, ``--rounds`` times at each world size, and the figures
 are the medians over the rounds, the ratio that of each round's own: on a shared
 machine, gloo's throughput alone went from 930 to 1789 MB/s a rank from one job
@@ -34,6 +41,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -45,15 +53,16 @@ import torch.distributed as dist
 
 
 def ring(tensor, iterations):
-    """Send to the next rank, receive from the previous, ``iterations`` times."""
+    """Send to the next rank, receive from the previous, ``iterations`` times: the loop's
+    seconds, and the CPU seconds this rank's process used in it (every thread's)."""
     rank, p = dist.get_rank(), dist.get_world_size()
     incoming = torch.empty_like(tensor)
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     for _ in range(iterations):
         requests = [dist.isend(tensor, (rank + 1) % p), dist.irecv(incoming, (rank - 1) % p)]
         for request in requests:
             request.wait()
-    return time.perf_counter() - start
+    return time.perf_counter() - start, time.process_time() - cpu
 '''
 
 GLOO = (
@@ -64,20 +73,37 @@ if __name__ == "__main__":
     dist.init_process_group("gloo")
     tensor = torch.ones(int(sys.argv[1]))
     ring(tensor, 2)  # warm-up
-    seconds = [ring(tensor, int(sys.argv[2])) for _ in range(int(sys.argv[3]))]
+    loops = [ring(tensor, int(sys.argv[2])) for _ in range(int(sys.argv[3]))]
+    cpu = [None] * dist.get_world_size()
+    dist.all_gather_object(cpu, [c for _, c in loops])
     if dist.get_rank() == 0:
-        print(json.dumps({"seconds": seconds}))
+        print(json.dumps({"seconds": [s for s, _ in loops], "cpu": [sum(c) for c in zip(*cpu)]}))
     dist.destroy_process_group()
 """
 )
 
 
+class Timing(NamedTuple):
+    """One side's ring, medians over its loops: the loop's seconds (rank 0's clock), the whole
+    call's as the grader waits for it (the loop's, for gloo), and the CPU seconds the side used
+    for it: every rank's process during the loop, and for the broker the grader's process
+    (the broker's threads) during the whole call."""
+
+    loop: float
+    call: float
+    cpu: float
+
+    @classmethod
+    def median(cls, timings: list[Timing]) -> Timing:
+        """Each figure's median over ``timings``."""
+        return cls(*(statistics.median(figures) for figures in zip(*timings, strict=True)))
+
+
 def through_broker(
     work: Path, p: int, elements: int, iterations: int, repeats: int
-) -> dict[bool, tuple[float, float]]:
-    """Median seconds of the ring through the broker, the loop alone (rank 0's clock) and the
-    whole call (the grader's), with the payloads kept in the call's record (True: as in the tests
-    that read them) and without (False: as in performance tests)."""
+) -> dict[bool, Timing]:
+    """The ring through the broker, with the payloads kept in the call's record (True: as in
+    the tests that read them) and without (False: as in performance tests)."""
     from grader import sandbox
     from grader.course.submission import stage
     from grader.launch.world import CallLimits, JobSettings, RankPool, World
@@ -104,25 +130,27 @@ def through_broker(
         import torch
 
         tensor = torch.ones(elements)
-        seconds = {}
+        timings = {}
         for keep in (True, False):
             world.call("collectives.ring", [(tensor, 2)] * p, keep_payloads=keep)  # warm-up
-            loops, calls = [], []
+            loops, calls, cpus = [], [], []
             for _ in range(repeats):
-                start = time.monotonic()
+                start, grader_cpu = time.monotonic(), time.process_time()
                 done = world.call(
                     "collectives.ring", [(tensor, iterations)] * p, keep_payloads=keep
                 )
                 calls.append(time.monotonic() - start)
-                loops.append(done.returned[0])
-            seconds[keep] = (statistics.median(loops), statistics.median(calls))
-        return seconds
+                ranks_cpu = sum(cpu for _, cpu in done.returned)
+                cpus.append(ranks_cpu + time.process_time() - grader_cpu)
+                loops.append(done.returned[0][0])
+            timings[keep] = Timing.median(list(map(Timing, loops, calls, cpus)))
+        return timings
     finally:
         pool.close()
 
 
-def over_gloo(work: Path, p: int, elements: int, iterations: int, repeats: int) -> float:
-    """Median seconds of the ring over gloo (rank 0's clock, the loop alone)."""
+def over_gloo(work: Path, p: int, elements: int, iterations: int, repeats: int) -> Timing:
+    """The ring over gloo."""
     script = work / "gloo_ring.py"
     script.write_text(GLOO)
     done = subprocess.run(
@@ -131,7 +159,9 @@ def over_gloo(work: Path, p: int, elements: int, iterations: int, repeats: int) 
         capture_output=True, text=True, check=True,
         env={**os.environ, "OMP_NUM_THREADS": "1"},
     )  # fmt: skip
-    return statistics.median(json.loads(done.stdout.strip().splitlines()[-1])["seconds"])
+    measured = json.loads(done.stdout.strip().splitlines()[-1])
+    loop = statistics.median(measured["seconds"])
+    return Timing(loop, loop, statistics.median(measured["cpu"]))
 
 
 def main() -> None:
@@ -143,10 +173,16 @@ def main() -> None:
     args = parser.parse_args()
     elements = int(args.megabytes * 2**20 / 4)
     payload = elements * 4 * args.iterations  # bytes each rank receives
+    cores = len(os.sched_getaffinity(0))
+
+    def busy(cpu: float, seconds: float) -> float:
+        """The share of this machine's cores that ``cpu`` seconds kept busy for ``seconds``."""
+        return cpu / seconds / cores
+
     work = Path(tempfile.mkdtemp(prefix="grader-bench-"))
     work.chmod(0o711)
     try:
-        print(f"{args.iterations} ring steps of {args.megabytes:g} MB messages")
+        print(f"{args.iterations} ring steps of {args.megabytes:g} MB messages, {cores} cores")
         for p in (2, 4):
             brokers, gloos = [], []
             for turn in range(args.rounds):
@@ -154,20 +190,27 @@ def main() -> None:
                 place.mkdir(mode=0o711)
                 brokers.append(through_broker(place, p, elements, args.iterations, args.repeats))
                 gloos.append(over_gloo(place, p, elements, args.iterations, args.repeats))
-            gloo = statistics.median(gloos)
+            gloo = Timing.median(gloos)
             rounds = list(zip(gloos, brokers, strict=True))
             for keep, how in ((True, "payloads recorded"), (False, "payloads not recorded")):
-                loop = statistics.median(b[keep][0] for b in brokers)
-                call = statistics.median(b[keep][1] for b in brokers)
-                ratio = statistics.median(g / b[keep][0] for g, b in rounds)
-                whole = statistics.median(g / b[keep][1] for g, b in rounds)
+                broker = Timing.median([b[keep] for b in brokers])
+                ratio = statistics.median(g.loop / b[keep].loop for g, b in rounds)
+                whole = statistics.median(g.loop / b[keep].call for g, b in rounds)
                 print(
-                    f"{p} ranks, {how:>21}: broker {payload / loop / 1e6:8.1f} MB/s "
-                    f"per rank, gloo {payload / gloo / 1e6:8.1f} MB/s per rank: "
+                    f"{p} ranks, {how:>21}: broker {payload / broker.loop / 1e6:8.1f} MB/s "
+                    f"per rank, gloo {payload / gloo.loop / 1e6:8.1f} MB/s per rank: "
                     f"the broker at {ratio:.2f}x gloo's throughput "
-                    f"({whole:.2f}x counting the whole call, {call:.2f} s)"
+                    f"({whole:.2f}x counting the whole call, {broker.call:.2f} s)"
                 )
-            spread = ", ".join(f"{g / b[False][0]:.2f}" for g, b in rounds)
+                print(
+                    f"{p} ranks, {how:>21}: CPU a ring step, every process of the side: "
+                    f"broker {broker.cpu / args.iterations * 1e3:5.2f} ms, "
+                    f"gloo {gloo.cpu / args.iterations * 1e3:5.2f} ms "
+                    f"(gloo's over the broker's: {gloo.cpu / broker.cpu:.2f}); "
+                    f"the {cores} cores busy {busy(broker.cpu, broker.call):.0%} and "
+                    f"{busy(gloo.cpu, gloo.loop):.0%}"
+                )
+            spread = ", ".join(f"{g.loop / b[False].loop:.2f}" for g, b in rounds)
             print(f"{p} ranks, payloads not recorded, each round's ratio: {spread}")
     finally:
         shutil.rmtree(work, ignore_errors=True)

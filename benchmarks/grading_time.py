@@ -19,8 +19,10 @@ whole command, with its peak memory:
 - the untouched stubs, every part (no point expected);
 - a submission whose every collective deadlocks, the collectives part.
 
-Prints each wall time and its ratio to its yardstick (medians of --repeats), and
-the peak memory of the whole process tree (what a container must allow).
+Prints each wall time and its ratio to its yardstick (medians of --repeats), the
+CPU time of the whole process tree and the least wall time it allows on this
+machine's cores (where a ratio cannot go, however the grader waits), and the
+peak memory of the whole process tree (what a container must allow).
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "tests" / "selftests")]
@@ -52,6 +55,8 @@ dist.destroy_process_group()
 
 
 MEMORY_EVERY = 1.0  # seconds between two samples: a sample reads a few ms per process
+CPU_EVERY = 0.05  # seconds between two readings of every process's CPU time
+TICKS = os.sysconf("SC_CLK_TCK")  # the unit of /proc/<pid>/stat's times
 
 # Every command runs this checkout's grader, installed or not.
 ENVIRONMENT = {
@@ -60,11 +65,22 @@ ENVIRONMENT = {
 }
 
 
-def timed(command: list[str], cwd: Path, status: int = 0) -> tuple[float, float]:
-    """Wall seconds of ``command`` and the peak memory of its whole process tree (MB, sampled
-    every :data:`MEMORY_EVERY` s: what a container's memory limit must allow). Each process
-    counts its proportional set (``Pss``: a page shared by n processes counts 1/n in each),
-    as a container's limit counts each page once; its resident set where that cannot be read.
+class Measured(NamedTuple):
+    """One run of a command: its wall seconds, the peak memory of its whole process tree
+    (MB), and the CPU seconds its whole process tree used."""
+
+    seconds: float
+    peak_mb: float
+    cpu: float
+
+
+def timed(command: list[str], cwd: Path, status: int = 0) -> Measured:
+    """Run ``command`` and measure it. The peak memory is sampled every
+    :data:`MEMORY_EVERY` s (what a container's memory limit must allow): each process counts
+    its proportional set (``Pss``: a page shared by n processes counts 1/n in each), as a
+    container's limit counts each page once; its resident set where that cannot be read. The
+    CPU is every process's own (all its threads), read every :data:`CPU_EVERY` s while it
+    lives: what a process used after its last reading is missed, so the figure is a floor.
     A command that ends with another exit status than ``status`` measured nothing: the
     benchmark stops with its last lines."""
     from grader.launch.job import descendants
@@ -78,12 +94,17 @@ def timed(command: list[str], cwd: Path, status: int = 0) -> tuple[float, float]
     reader = threading.Thread(target=lambda: errors.extend(process.stderr), daemon=True)
     reader.start()
     peak, sampled = 0, 0.0
+    cpu: dict[tuple[int, int], float] = {}  # by (pid, start time): a pid may be reused
     while process.poll() is None:
+        tree = [process.pid, *descendants(process.pid)]
+        for pid in tree:
+            reading = _cpu(pid)
+            if reading is not None:
+                cpu[(pid, reading[0])] = reading[1]
         if time.monotonic() - sampled >= MEMORY_EVERY:
             sampled = time.monotonic()
-            total = sum(_memory(pid) for pid in [process.pid, *descendants(process.pid)])
-            peak = max(peak, total)
-        time.sleep(0.05)
+            peak = max(peak, sum(_memory(pid) for pid in tree))
+        time.sleep(CPU_EVERY)
     seconds = time.monotonic() - start
     reader.join()
     if process.returncode != status:
@@ -91,7 +112,18 @@ def timed(command: list[str], cwd: Path, status: int = 0) -> tuple[float, float]
             f"{shlex.join(command)} exited {process.returncode}, not {status}:\n"
             + "".join(errors[-5:])
         )
-    return seconds, peak / 2**20
+    return Measured(seconds, peak / 2**20, sum(cpu.values()))
+
+
+def _cpu(pid: int) -> tuple[int, float] | None:
+    """``pid``'s start time (clock ticks) and the CPU seconds it used so far, every thread's
+    (not its children's: each is read as a process of its own); None once it has ended."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    # After the name: state is field 0, utime 11, stime 12, starttime 19 (proc(5), from 3).
+    return int(fields[19]), (int(fields[11]) + int(fields[12])) / TICKS
 
 
 def _memory(pid: int) -> int:
@@ -152,11 +184,23 @@ def barrier_job(work: Path, ranks: int) -> list[str]:
     ]  # fmt: skip
 
 
-def print_ratios(medians: dict[str, float], peaks: dict[str, float]) -> None:
+def print_ratios(
+    medians: dict[str, float], cpus: dict[str, float], peaks: dict[str, float]
+) -> None:
+    """Each command's wall time and its ratio to the first (the yardstick); its CPU, and the
+    least wall time that CPU allows on this machine's cores, kept busy all along (no command
+    can be faster than its CPU spread over every core); its peak memory."""
     yardstick = next(iter(medians.values()))
+    cores = len(os.sched_getaffinity(0))
     for label, seconds in medians.items():
-        peak = f"  peak {peaks[label]:6.0f} MB" if label in peaks else ""
-        print(f"{label:<60} {seconds:6.2f} s {seconds / yardstick:5.2f}x{peak}")
+        line = f"{label:<60} {seconds:6.2f} s {seconds / yardstick:5.2f}x"
+        if label in cpus:
+            least = cpus[label] / cores
+            line += f"  CPU {cpus[label]:6.1f} s: at least {least:5.2f} s on {cores} cores"
+            line += f" ({least / yardstick:5.2f}x)"
+        if label in peaks:
+            line += f"  peak {peaks[label]:6.0f} MB"
+        print(line)
 
 
 def main() -> None:
@@ -189,13 +233,15 @@ def main() -> None:
             "torchrun: 3 ranks, init + barrier + destroy": barrier_job(work, 3),
             "grader run collectives -k all_reduce --world-size 3": one,
         }
-        medians, peaks = {}, {}
+        medians, cpus, peaks = {}, {}, {}
         for label, command in loop.items():
-            medians[label] = statistics.median(timed(command, work)[0] for _ in range(args.repeats))
+            measured = [timed(command, work) for _ in range(args.repeats)]
+            medians[label] = statistics.median(m.seconds for m in measured)
+            cpus[label] = statistics.median(m.cpu for m in measured)
         regrades = watch_regrades([*one, "--watch"], source, args.repeats * 2, args.editing)
         label = f"the same, --watch: a save ({args.editing:g} s after the last) to its summary"
         medians[label] = statistics.median(regrades)
-        print_ratios(medians, peaks)
+        print_ratios(medians, cpus, peaks)
         print("watch mode, each regrade:", " ".join(f"{s:.2f}" for s in regrades), "s")
         if args.loop_only:
             return
@@ -215,12 +261,13 @@ def main() -> None:
                 "--results", str(work / "deadlocks.json"),
             ], 1),
         }  # fmt: skip
-        medians, peaks = {}, {}
+        medians, cpus, peaks = {}, {}, {}
         for label, (command, status) in runs.items():
             measured = [timed(command, work, status) for _ in range(args.repeats)]
-            medians[label] = statistics.median(m[0] for m in measured)
-            peaks[label] = max(m[1] for m in measured)
-        print_ratios(medians, peaks)
+            medians[label] = statistics.median(m.seconds for m in measured)
+            cpus[label] = statistics.median(m.cpu for m in measured)
+            peaks[label] = max(m.peak_mb for m in measured)
+        print_ratios(medians, cpus, peaks)
         for name in ("reference", "stubs", "deadlocks"):
             results = json.loads((work / f"{name}.json").read_text())
             maximum = sum(t["max_score"] for t in results["tests"])
