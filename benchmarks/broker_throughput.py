@@ -84,10 +84,10 @@ if __name__ == "__main__":
 
 
 class Timing(NamedTuple):
-    """One side's ring, medians over its loops: the loop's seconds (rank 0's clock), the whole
-    call's as the grader waits for it (the loop's, for gloo), and the CPU seconds the side used
-    for it: every rank's process during the loop, and for the broker the grader's process
-    (the broker's threads) during the whole call."""
+    """One side's ring, one loop of it or the medians of several (:meth:`median`): the loop's
+    seconds (rank 0's clock), the whole call's as the grader waits for it (the loop's, for
+    gloo), and the CPU seconds the side used for it: every rank's process during the loop, and
+    for the broker the grader's process (the broker's threads) during the whole call."""
 
     loop: float
     call: float
