@@ -166,6 +166,7 @@ class RankError:
     message: str
     frames: tuple[str, ...] = ()
     raiser: str = ""  # the innermost student function it came from, e.g. "all_reduce"
+    refused: bool = False  # a system call the sandbox refuses (a socket, a process, a lock)
 
     @classmethod
     def read(cls, raw: Any) -> RankError:
@@ -177,6 +178,7 @@ class RankError:
             clean(raw.get("message", ""), MAX_TEXT),
             tuple(clean(f, 300) for f in frames[:20]),
             clean(raw.get("raiser", ""), 80),
+            raw.get("refused") is True,
         )
 
     def where(self) -> str:
@@ -188,6 +190,7 @@ class RankError:
             "message": self.message,
             "frames": list(self.frames),
             "raiser": self.raiser,
+            "refused": self.refused,
         }
 
 

@@ -48,16 +48,24 @@ class Reading:
     waiting: float  # seconds runnable but waiting for a CPU
 
 
-def peer_pid(sock: socket.socket) -> int | None:
-    """The pid of the process at the other end of a Unix socket, as the kernel says."""
+def sender_pid(sock: socket.socket) -> int | None:
+    """The pid of the process that wrote the first bytes waiting on a Unix socket, as the
+    kernel says (``SCM_CREDENTIALS``: the socket, or the listener it was accepted from, has
+    ``SO_PASSCRED``; a process may name no pid but its own). Waits for those bytes; None
+    when the connection ends first. The process that connected may be another: a rank's
+    wrapper connects it, and the rank speaks."""
     if sys.platform != "linux" or sock.family != socket.AF_UNIX:
         return None
     try:
-        raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
+        _, ancillary, _, _ = sock.recvmsg(1, socket.CMSG_SPACE(_UCRED.size), socket.MSG_PEEK)
     except OSError:
         return None
-    pid = _UCRED.unpack(raw)[0]
-    return pid if pid > 0 else None
+    for level, kind, data in ancillary:
+        if (level, kind) == (socket.SOL_SOCKET, socket.SCM_CREDENTIALS):
+            pid = _UCRED.unpack(data[: _UCRED.size])[0]
+            return pid if pid > 0 else None
+    return None
 
 
 _CPUCLOCK_SCHED = 2  # the kernel's encoding of a process's CPU clock: (~pid << 3) | 2

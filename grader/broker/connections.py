@@ -138,19 +138,20 @@ class Connections(ABC):
         ``relayed``: the connection comes from the rank's trusted relay on another
         node, which may add what only it knows (:data:`protocol.RELAY_ONLY`).
         """
-        pid = None if relayed else accounting.peer_pid(sock)
-        meter = accounting.Meter(pid) if pid is not None else None
         with self._cv:
             state = self._ranks[rank]
             if state.sock is not None:  # one connection per rank
                 sock.close()
-                if meter is not None:
-                    meter.close()
                 return
-            state.sock, state.meter = sock, meter
+            state.sock = sock
             state.segment = None if relayed else _offer_segment(sock)
             self._cv.notify_all()
         threading.Thread(target=self._write, args=(rank, sock), daemon=True).start()
+        # The process to meter is the one that speaks: its wrapper made the connection.
+        pid = None if relayed else accounting.sender_pid(sock)
+        meter = accounting.Meter(pid) if pid is not None else None
+        with self._cv:
+            state.meter = meter
         began: list[Reading | None] = []
         outbox = self._outboxes[rank]
 

@@ -152,6 +152,7 @@ class RankState:
 
     rank: int
     sock: socket.socket | None = None
+    up: bool = False  # it said hello: its process runs and serves (its wrapper connected it)
     alive: bool = True
     running: bool = False
     blocked_on: Op | None = None

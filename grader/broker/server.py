@@ -94,11 +94,11 @@ class Broker(Matching):
             self.traffic.local = [state.local for state in self._ranks[: self.active]]
 
     def wait_connected(self, deadline: float) -> bool:
-        """Wait until every rank connected (True), or a rank died, the job ended, or the
-        deadline passed."""
+        """Wait until every rank is up: connected, and spoken (True); or a rank died, the job
+        ended, or the deadline passed."""
         with self._cv:
             while not self._stopped():
-                if all(r.sock is not None for r in self._ranks):
+                if all(r.up for r in self._ranks):
                     return True
                 if not self._cv.wait(max(0.0, deadline - time.monotonic())):
                     return False
@@ -201,7 +201,7 @@ class Broker(Matching):
     # -- what a rank sends, one method per message -------------------------------------------
 
     def rank_hello(self, state: RankState, frame: Frame) -> None:
-        pass
+        state.up = True
 
     def rank_segment(self, state: RankState, frame: Frame) -> None:
         """The rank mapped the segment it was given: the broker's answers may use it now."""

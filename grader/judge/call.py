@@ -179,6 +179,8 @@ def _student_failure(
         name = first.raiser or "the function"
         return failures.NotImplementedYet(f"not implemented yet: {name} raises NotImplementedError")
     text = f"{who}: {first.type}: {first.message}".rstrip(": ") + first.where() + case_suffix(case)
+    if first.refused:  # an attempt the TA should see: its own outcome, the line named
+        return failures.ForbiddenCall(text, case)
     if limit := limit_reached(f"{first.type}: {first.message}"):
         text += f"; the rank reached its sandbox's limit on {limit}"
     others = [r for r in own if r not in same]

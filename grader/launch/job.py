@@ -33,10 +33,12 @@ from types import TracebackType
 from typing import TYPE_CHECKING
 
 from grader.course.config import RankLimits
+from grader.course.secret import SECRET_ENV
 from grader.launch import orphans, tmpdir
-from grader.launch.sandboxed import SandboxPlan
+from grader.launch.sandboxed import JOB_ENV, SandboxPlan
 from grader.protocol import rank_socket
-from grader.sandbox import DEFAULT_SCRATCH, Level, die_with, view
+from grader.sandbox import DEFAULT_SCRATCH, Level, die_with, unavailable_landlock, view
+from grader.sandbox.landlock import Rule
 
 if TYPE_CHECKING:
     from grader.nodes import Nodes
@@ -58,6 +60,7 @@ class JobSettings:
     readable: tuple[Path, ...]
     pythonpath: str
     memory_bytes: int
+    allow: tuple[Rule, ...] = ()  # the ranks' Landlock allow-list (grader.sandbox.view.allowed)
     device: str = "cpu"
     head: Head | None = None  # a job across nodes: this grader is node 0 (grader.nodes)
     scratch_bytes: int = DEFAULT_SCRATCH
@@ -74,21 +77,43 @@ def job_settings(
 ) -> JobSettings:
     """What every job of a run shares; made the same way on every node of a run."""
     import_dir = work / "import"
-    package = Path(__file__).resolve().parents[1]  # grader/
+    lib = rank_side(work)
     limits = limits or RankLimits()
+    readable = (lib, import_dir)
     return JobSettings(
         work_dir=work,
         import_dir=import_dir,
         sandbox=level.value,
         hidden=tuple(p for p in view.hidden(work) if p.exists()),
-        readable=(package, import_dir, *view.interpreter()),
-        pythonpath=str(package.parent),
+        readable=(*readable, *view.interpreter()),
+        pythonpath=str(lib),
         memory_bytes=limits.memory_bytes,
+        allow=tuple(view.allowed(list(readable), device)) if _walled(level) else (),
         device=device,
         head=head,
         scratch_bytes=limits.scratch_bytes,
         identity=identity if level is not Level.NONE else None,
     )
+
+
+def _walled(level: Level) -> bool:
+    """Whether the ranks apply the Landlock allow-list: at ``uid`` always (it is the wall;
+    the level is refused without it), at ``namespaces`` where the kernel has Landlock."""
+    if level is Level.NAMESPACES:
+        return unavailable_landlock() is None
+    return level is Level.UID
+
+
+def rank_side(work: Path) -> Path:
+    """The folder the ranks import the grader from: a copy of the package in the run's work
+    folder, made once. The ranks never read the grader where it is installed, which may be
+    inside a course made unreadable to them (an editable install)."""
+    lib = work / "lib"
+    if not (lib / "grader").is_dir():
+        package = Path(__file__).resolve().parents[1]
+        lib.mkdir(mode=0o755, exist_ok=True)
+        shutil.copytree(package, lib / "grader", ignore=shutil.ignore_patterns("__pycache__"))
+    return lib
 
 
 @dataclass(frozen=True)
@@ -138,13 +163,15 @@ class TorchrunJob:
             *(self.rendezvous.arguments() if self.rendezvous else ["--standalone"]),
             f"--nproc-per-node={self.per_node}",
             "--max-restarts=0",
-            f"--log-dir={self.job_dir / 'torchrun'}",
             "-m",
             self.module,
-            str(self.job_dir),
         ]
+        # The job's folder in the environment, not on a command line (which every user reads);
+        # the course's secret in neither.
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-        env.pop("TORCH_DISTRIBUTED_DEBUG", None)
+        env.update({JOB_ENV: str(self.job_dir), "PET_LOG_DIR": str(self.job_dir / "torchrun")})
+        for name in ("TORCH_DISTRIBUTED_DEBUG", SECRET_ENV):
+            env.pop(name, None)
         with open(self.job_dir / "torchrun.log", "wb") as log:
             self._process = orphans.start(
                 command,
@@ -154,7 +181,7 @@ class TorchrunJob:
                 env=env,
                 start_new_session=True,
                 # the grader killed: torchrun and its ranks go too
-                preexec_fn=functools.partial(die_with, os.getpid()),
+                preexec_fn=functools.partial(_private_child, os.getpid()),
             )
 
     def running(self) -> bool:
@@ -197,6 +224,13 @@ class TorchrunJob:
         tb: TracebackType | None,
     ) -> None:
         self.kill()
+
+
+def _private_child(parent: int) -> None:
+    """In torchrun's process before its exec: it dies with ``parent``, and every file it and
+    the wrappers make (logs, exit statuses) is theirs alone."""
+    os.umask(0o077)
+    die_with(parent)
 
 
 def log_tail(job_dir: Path, lines: int = 5) -> str:
@@ -326,6 +360,9 @@ def listen(socket_dir: Path, size: int) -> list[socket.socket]:
     try:
         for rank in range(size):
             listeners.append(socket.socket(socket.AF_UNIX, socket.SOCK_STREAM))
+            # Each frame then says which process wrote it: the broker meters the rank that
+            # speaks, though its wrapper made the connection (accounting.sender_pid).
+            listeners[-1].setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
             listeners[-1].bind(str(rank_socket(socket_dir, rank)))
             listeners[-1].listen(1)
     except BaseException:
@@ -353,8 +390,8 @@ def prepare_job(settings: JobSettings, job_dir: Path, relay: dict[str, str]) -> 
 def _write_plan(
     settings: JobSettings, job_dir: Path, socket_dir: Path, relay: dict[str, str]
 ) -> None:
-    for path in (job_dir, socket_dir):
-        path.chmod(0o711)  # the sandbox's uid reaches its socket, and nothing else here
+    socket_dir.chmod(0o700)  # the wrappers connect the ranks: no rank reaches a socket
+    job_dir.chmod(0o711)  # a rank's uid passes through to its scratch, and reads nothing here
     (job_dir / "scratch").mkdir(mode=0o711)
     SandboxPlan(
         level=settings.sandbox,
@@ -364,6 +401,7 @@ def _write_plan(
         readable=[str(p) for p in settings.readable],
         pythonpath=settings.pythonpath,
         memory_bytes=settings.memory_bytes,
+        allow=[rule.to_text() for rule in settings.allow],
         scratch_bytes=settings.scratch_bytes,
         first_uid=settings.identity.first if settings.identity else None,
         device=settings.device,

@@ -1,11 +1,12 @@
-"""What torchrun starts on every rank: ``python -m grader.launch.sandboxed JOB_DIR``.
+"""What torchrun starts on every rank: ``python -m grader.launch.sandboxed``, the job's folder
+in ``$GRADER_JOB`` (an environment is its process's own; a command line is every user's).
 
 This wrapper is the grader's, and runs outside the sandbox. It reads the
-job's sandbox plan (which the ranks cannot see), starts the worker inside
-the rank's sandbox with its output going to the rank's log, waits for it,
-and leaves its exit status where the grader reads it. It dies with torchrun
-(``PR_SET_PDEATHSIG``) and the sandbox dies with it, so no process of the
-student's outlives the job, even when the grader itself is killed.
+job's sandbox plan (which the ranks cannot see), connects the rank to the broker (or, across
+nodes, to itself as the relay), starts the rank inside its sandbox with that connection
+and its output going to the rank's log, waits for it, and leaves its exit status where the
+grader reads it. It dies with torchrun (``PR_SET_PDEATHSIG``) and the sandbox dies with
+it, so no process of the student's outlives the job, even when the grader itself is killed.
 """
 
 from __future__ import annotations
@@ -20,16 +21,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from grader.protocol import RankExit, clean, rank_socket
-from grader.sandbox import DEFAULT_SCRATCH, NOBODY, Level, Sandbox, die_with
+from grader.sandbox import DEFAULT_SCRATCH, NOBODY, Level, Sandbox, die_with, landlock
 
-#: What ``--probe`` runs in rank 0's sandbox instead of the worker: the interpreter, and
-#: the sources of the grader's rank side and of torch opened through the very binds a graded
-#: job uses (not imported: torch's import would cost seconds more).
-PROBE = (
-    "import importlib.util as u\n"
-    "for name in ('grader.rank.worker', 'torch'):\n"
-    "    open(u.find_spec(name).origin, 'rb').close()"
-)
+JOB_ENV = "GRADER_JOB"
+RANK_ENTRY = "grader.rank"  # the rank's process: python -m grader.rank (grader/rank/__main__.py)
 
 
 @dataclass(frozen=True)
@@ -43,6 +38,7 @@ class SandboxPlan:
     readable: list[str]
     pythonpath: str
     memory_bytes: int
+    allow: list[str]  # the Landlock allow-list, as Rule.to_text; empty: none
     scratch_bytes: int = DEFAULT_SCRATCH
     # As root, local rank r runs as first_uid + r (grader.sandbox.identity); otherwise every rank is
     # nobody in a user namespace of its own.
@@ -107,13 +103,49 @@ def main(job_dir: Path, probe: bool = False) -> int:
     die_with(parent)
     plan = SandboxPlan.read(job_dir)
     rank = int(os.environ["RANK"])
+    ours, theirs = (None, None) if probe else _connect(plan, rank)
+    sandbox = _sandbox(plan, job_dir, rank, theirs)
+    sandbox.prepare()
+    argv = [sys.executable, "-m", RANK_ENTRY]
+    argv += ["--probe"] if theirs is None else [str(theirs.fileno()), plan.import_dir]
+    descriptor = os.open(log_path(job_dir, rank), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with open(descriptor, "wb") as log:
+        child = sandbox.popen(argv, log)
+    if theirs is not None:
+        theirs.close()  # the rank's end is the rank's alone
+
+    def forward(signum: int, frame: object) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            child.send_signal(signal.SIGKILL)
+
+    signal.signal(signal.SIGTERM, forward)
+    signal.signal(signal.SIGINT, forward)
+    if ours is None:
+        code = child.wait()
+    else:
+        from grader.nodes.relay import Relay  # across nodes only: it imports torch
+
+        relay = Relay(ours, child, plan.broker, bytes.fromhex(plan.key))
+        code = relay.run(plan.job, rank, lambda: last_words(job_dir, rank))
+    exit_path(job_dir, rank).write_text(str(code))
+    return code if code >= 0 else 128 - code
+
+
+def _connect(plan: SandboxPlan, rank: int) -> tuple[socket.socket | None, socket.socket]:
+    """The relay's end (across nodes) and the rank's end of the rank's one connection: to
+    this machine's broker, whose socket the ranks cannot reach, or to this wrapper."""
+    if plan.broker:
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        return ours, theirs
+    theirs = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    theirs.connect(str(rank_socket(Path(plan.socket_dir), rank)))
+    return None, theirs
+
+
+def _sandbox(
+    plan: SandboxPlan, job_dir: Path, rank: int, connection: socket.socket | None
+) -> Sandbox:
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
-    socket_path = rank_socket(Path(plan.socket_dir), rank)
-    listener = None
-    if plan.broker:  # a job across nodes: this wrapper relays its rank to the head's broker
-        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        listener.bind(str(socket_path))
-        listener.listen(1)
     env = {
         "RANK": str(rank),
         "WORLD_SIZE": os.environ["WORLD_SIZE"],
@@ -127,41 +159,20 @@ def main(job_dir: Path, probe: bool = False) -> int:
         **STEADY_MALLOC,
     }
     uid = NOBODY if plan.first_uid is None else plan.first_uid + local_rank
-    sandbox = Sandbox(
+    return Sandbox(
         Level(plan.level),
         job_dir / "scratch" / f"rank{rank}",
         hidden=tuple(map(Path, plan.hidden)),
         readable=tuple(map(Path, plan.readable)),
-        sockets=(socket_path,),
+        connection=None if connection is None else connection.fileno(),
+        allow=tuple(map(landlock.Rule.from_text, plan.allow)),
         env=env,
         memory_bytes=plan.memory_bytes,
         scratch_bytes=plan.scratch_bytes,
         max_file_bytes=plan.scratch_bytes,
         uid=uid,
-        gid=uid,
+        gid=uid if plan.first_uid is None else plan.first_uid,
     )
-    sandbox.prepare()
-    argv = [sys.executable, "-m", "grader.rank.worker", str(socket_path), plan.import_dir]
-    if probe:
-        argv = [sys.executable, "-c", PROBE]
-    with open(log_path(job_dir, rank), "wb") as log:
-        child = sandbox.popen(argv, log)
-
-    def forward(signum: int, frame: object) -> None:
-        with contextlib.suppress(ProcessLookupError):
-            child.send_signal(signal.SIGKILL)
-
-    signal.signal(signal.SIGTERM, forward)
-    signal.signal(signal.SIGINT, forward)
-    if listener is None:
-        code = child.wait()
-    else:
-        from grader.nodes.relay import Relay  # across nodes only: it imports torch
-
-        relay = Relay(listener, child, plan.broker, bytes.fromhex(plan.key))
-        code = relay.run(plan.job, rank, lambda: last_words(job_dir, rank))
-    exit_path(job_dir, rank).write_text(str(code))
-    return code if code >= 0 else 128 - code
 
 
 def _is_torchrun(pid: int) -> bool:
@@ -178,4 +189,4 @@ def _is_torchrun(pid: int) -> bool:
 
 
 if __name__ == "__main__":
-    sys.exit(main(Path(sys.argv[1]), probe="--probe" in sys.argv[2:]))
+    sys.exit(main(Path(os.environ[JOB_ENV]), probe="--probe" in sys.argv[1:]))

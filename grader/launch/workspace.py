@@ -31,10 +31,9 @@ from grader.launch.job import (
     Launched,
     job_settings,
     launch,
-    listen,
     prepare_job,
 )
-from grader.launch.sandboxed import last_words
+from grader.launch.sandboxed import JOB_ENV, last_words
 from grader.sandbox import identity as uids
 from grader.sandbox.identity import Identity
 
@@ -185,17 +184,16 @@ def probe(settings: JobSettings) -> str | None:
     """Why a rank of a job with ``settings`` cannot start here, or None when it can.
 
     Rank 0's wrapper runs as torchrun would start it, in probe mode: the same sandbox
-    command, paths, uid and limits as a graded job, opening the sources of torch and of the
-    grader's rank side instead of serving calls (:data:`grader.launch.sandboxed.PROBE`).
+    command, paths, uid, limits and allow-list as a graded job, opening the sources of torch
+    and of the grader's rank side instead of serving calls (:mod:`grader.rank.__main__`).
     A fifth of a second, once per run.
     """
     job_dir = settings.work_dir / "probe"
-    env = {**os.environ, "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"}
-    command = [sys.executable, "-m", RANK_WRAPPER, str(job_dir), "--probe"]
-    socket_dir, listeners = None, []
+    env = {**os.environ, "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", JOB_ENV: str(job_dir)}
+    command = [sys.executable, "-m", RANK_WRAPPER, "--probe"]
+    socket_dir = None
     try:
         socket_dir = prepare_job(settings, job_dir, {})
-        listeners = listen(socket_dir, 1)  # bound in, as a graded job's are
         with orphans.start(  # its own child: never taken for a killed job's orphan
             command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
             start_new_session=True,
@@ -209,8 +207,6 @@ def probe(settings: JobSettings) -> str | None:
     except subprocess.TimeoutExpired:
         return f"a rank did not start within {PROBE_SECONDS:.0f} s"
     finally:
-        for listener in listeners:
-            listener.close()
         if settings.identity is not None:
             settings.identity.end_jobs()
         if socket_dir is not None:

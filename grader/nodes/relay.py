@@ -1,9 +1,9 @@
 """A rank's trusted relay to the head's broker, when a job spans nodes (run by its wrapper).
 
-The rank's sandbox has no network: the rank speaks to a Unix socket, as on
-one machine. The relay, outside the sandbox, connects to the head once the
-rank has connected to it (so that "connected" means the same as on one
-machine: the rank is up), it and the head prove themselves to each other
+The rank's sandbox has no network: the rank speaks on the connection its wrapper
+handed it, as on one machine, whose other end is the relay's. The relay, outside
+the sandbox, connects to the head once the rank has spoken (so that "connected"
+means the same as on one machine: the rank is up), it and the head prove themselves to each other
 (:func:`grader.nodes.channel.connect`), and it passes frames both ways
 unchanged, in the session's sealed records. It adds what only it knows: how the
 rank's process ended (``exited``), and that the rank's bytes broke the format
@@ -32,9 +32,9 @@ from grader.wire import Frame
 
 class Relay:
     def __init__(
-        self, listener: socket.socket, child: subprocess.Popen[bytes], address: str, key: bytes
+        self, worker: socket.socket, child: subprocess.Popen[bytes], address: str, key: bytes
     ) -> None:
-        self.listener = listener
+        self.worker = worker
         self.child = child
         self.address = address
         self.key = key
@@ -64,22 +64,16 @@ class Relay:
         return code
 
     def _accept_worker(self) -> socket.socket | None:
-        """The rank's connection; None if its process ended before it connected (the
-        process's end wakes the accept: no poll)."""
-
-        def wake_on_exit() -> None:
-            self.child.wait()
-            with contextlib.suppress(OSError):  # accepted already: nothing to wake
-                self.listener.shutdown(socket.SHUT_RDWR)
-
-        threading.Thread(target=wake_on_exit, daemon=True).start()
+        """The rank's connection once the rank has spoken on it; None if its process ended
+        first (the rank holds the only other end: its end wakes the wait)."""
         try:
-            worker, _ = self.listener.accept()
+            spoken = self.worker.recv(1, socket.MSG_PEEK)
         except OSError:
+            spoken = b""
+        if not spoken:
+            self.worker.close()
             return None
-        finally:
-            self.listener.close()  # one connection: the rank's
-        return worker
+        return self.worker
 
     def _up(self, worker: socket.socket, broker: Sealed) -> None:
         try:

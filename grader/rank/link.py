@@ -69,11 +69,11 @@ def current() -> BrokerLink | None:
 
 
 class BrokerLink:
-    def __init__(self, path: str, rank: int) -> None:
+    def __init__(self, connection: int, rank: int) -> None:
+        """``connection``: the descriptor of a Unix stream socket connected to the broker."""
         global _current
         self.rank = rank
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.sock.connect(path)
+        self.sock = socket.socket(fileno=connection)
         self._write_lock = threading.Lock()
         self._ids = itertools.count(1)
         self._pending: dict[int, PendingOp] = {}

@@ -1,4 +1,5 @@
-"""What runs on a rank, inside the sandbox: ``python -m grader.rank.worker SOCKET IMPORT_DIR``.
+"""What runs on a rank, inside the sandbox, once its entry point (:mod:`grader.rank.__main__`)
+has applied its allow-list.
 
 It connects to the trusted broker, makes ``broker`` the process-group
 backend, and then runs the calls the grader sends, one after the other: a
@@ -35,14 +36,16 @@ from grader.sandbox import syscall_filter
 from grader.wire import Frame
 
 
-def main(socket_path: str, import_dir: Path) -> int:
+def main(connection: int, import_dir: Path) -> int:
+    """Serve the broker's calls on the descriptor ``connection`` (connected by the trusted
+    wrapper: a rank opens no socket), importing the submission from ``import_dir``."""
     rank = int(os.environ["RANK"])
     world_size = int(os.environ["WORLD_SIZE"])
     sys.path[:0] = [str(import_dir)]
     sys.path_hooks.insert(0, fresh.compiled_once(import_dir))
     sys.path_importer_cache.pop(str(import_dir), None)
     frames.configure(import_dir)
-    link = BrokerLink(socket_path, rank)
+    link = BrokerLink(connection, rank)
     main_thread = threading.main_thread().ident
     link.stack_reader = lambda: _student_stack(main_thread)
     backend.register(link)
@@ -100,6 +103,7 @@ def _run_call(link: BrokerLink, frame: Frame, device: torch.device) -> None:
             protocol.clean(_message(err)),
             tuple(frames.student_frames(err.__traceback__)),
             frames.innermost_student_function(err.__traceback__),
+            _refused_by_sandbox(err),
         )
         link.post(protocol.FAILURE, call=call, error=error.to_wire())
         return
@@ -195,10 +199,3 @@ def _student_stack(thread_id: int | None) -> list[str]:
         for s in traceback.extract_stack(frame)
         if frames.is_student_file(s.filename)
     ]
-
-
-if __name__ == "__main__":
-    code = main(sys.argv[1], Path(sys.argv[2]))
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)  # no interpreter teardown: nothing of the student's runs after the last call

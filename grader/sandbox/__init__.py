@@ -37,7 +37,7 @@ from enum import Enum
 from pathlib import Path
 from typing import IO
 
-from grader.sandbox import syscall_filter
+from grader.sandbox import landlock, syscall_filter
 
 __all__ = [
     "Level",
@@ -46,6 +46,7 @@ __all__ = [
     "detect",
     "die_with",
     "limit_reached",
+    "unavailable_landlock",
 ]
 
 GiB = 1 << 30
@@ -166,12 +167,24 @@ def unavailable(level: Level) -> str | None:
         return "sandbox level 'uid' needs the grader to run as root"
     if level is Level.NAMESPACES and shutil.which("bwrap") is None:
         return "bwrap is not installed (apt-get install bubblewrap)"
+    if level is Level.UID and (why := unavailable_landlock()):
+        return f"{why}: the ranks' allow-list needs it"
     try:
         syscall_filter.program()
         if level is Level.NAMESPACES:
             _inner(NOBODY, NOBODY, 1)
     except (syscall_filter.FilterUnavailable, SandboxError) as exc:
         return str(exc)
+    return None
+
+
+@functools.cache
+def unavailable_landlock() -> str | None:
+    """Why this kernel cannot give the ranks their Landlock allow-list, else None."""
+    try:
+        landlock.abi()
+    except landlock.LandlockUnavailable as err:
+        return str(err)
     return None
 
 
@@ -191,11 +204,16 @@ class Sandbox:
     """One rank's sandbox. Paths are absolute; ``hidden`` ones that do not exist are skipped.
 
     ``hidden`` directories are masked by an empty read-only tmpfs, hidden files by
-    /dev/null; ``readable`` paths are then bound back read-only (e.g. ``grader/`` inside
-    the hidden repository); ``sockets`` are Unix socket files bound in; ``scratch`` is the
-    only writable path, and the rank's cwd, HOME and TMPDIR: at ``namespaces`` a tmpfs of
-    ``scratch_bytes`` of its own (nothing it writes reaches the host's disk), at ``uid`` the
-    host's folder, where no file may exceed ``max_file_bytes``.
+    /dev/null; ``readable`` paths are then bound back read-only (the grader's rank side,
+    the submission, the interpreter); ``scratch`` is the only writable path, and the
+    rank's cwd, HOME and TMPDIR: at ``namespaces`` a tmpfs of ``scratch_bytes`` of its own
+    (nothing it writes reaches the host's disk), at ``uid`` the host's folder, where no
+    file may exceed ``max_file_bytes``. ``connection`` is the rank's one way out: a
+    descriptor, connected to the broker (or its node's relay) by the trusted wrapper and
+    inherited at the same number, since a rank may open no socket of its own.
+    ``allow``: the Landlock allow-list (:mod:`grader.sandbox.landlock`) the rank applies
+    to itself before anything else runs in it, scratch and ``/proc/self`` added; empty:
+    none (a level whose kernel has no Landlock, where the mounts are the wall).
 
     The limits are per rank: ``uid`` is the rank's own (``grader.sandbox.identity``), so the
     process cap counts its processes and threads alone.
@@ -205,7 +223,8 @@ class Sandbox:
     scratch: Path
     hidden: tuple[Path, ...] = ()
     readable: tuple[Path, ...] = ()
-    sockets: tuple[Path, ...] = ()
+    connection: int | None = None
+    allow: tuple[landlock.Rule, ...] = ()
     env: Mapping[str, str] = field(default_factory=dict)
     memory_bytes: int = DEFAULT_MEMORY
     uid: int = NOBODY
@@ -220,15 +239,18 @@ class Sandbox:
         path = os.pathsep.join([os.path.dirname(sys.executable), "/usr/local/bin:/usr/bin:/bin"])
         env = {"PATH": path, "LANG": "C.UTF-8", **self.env}
         home = str(self.scratch)
-        return {**env, "HOME": home, "TMPDIR": home, "PWD": home}
+        env = {**env, "HOME": home, "TMPDIR": home, "PWD": home}
+        if self.allow:
+            rules = (*self.allow, *landlock.own_rules(self.scratch))
+            env[landlock.ENV_VAR] = "\n".join(rule.to_text() for rule in rules)
+        return env
 
     def prepare(self) -> None:
-        """Create the scratch directory, owned by the sandbox's uid; hand it the sockets."""
+        """Create the scratch directory, the sandbox uid's alone."""
         self.scratch.mkdir(parents=True, exist_ok=True)
         self.scratch.chmod(0o700)
         if self.level is not Level.NONE and os.geteuid() == 0:
-            for path in (self.scratch, *self.sockets):
-                os.chown(path, self.uid, self.gid)
+            os.chown(self.scratch, self.uid, self.gid)
 
     def _command(self, argv: Sequence[str]) -> tuple[list[str], tuple[int, ...]]:
         """The argv, and the descriptors it needs inherited (bwrap's seccomp program)."""
@@ -266,8 +288,6 @@ class Sandbox:
             mount("--ro-bind", str(path), at=path)
         # The rank is alone in its mount namespace: 0777 lets the dropped uid write there.
         mount("--perms", "0777", "--size", str(self.scratch_bytes), "--tmpfs", at=self.scratch)
-        for path in self.sockets:  # connect() works through a read-only bind
-            mount("--ro-bind", str(path), at=path)
         flags += remount  # last: the binds above made their mount points in the masks
         for key, value in self.environment().items():
             flags += ["--setenv", key, value]
@@ -309,12 +329,13 @@ class Sandbox:
         """Start the sandboxed ``argv``, its output (stdout and stderr) into ``output``:
         what the trusted per-rank wrapper does."""
         command, fds = self._command(argv)
+        inherited = (*fds, *(() if self.connection is None else (self.connection,)))
         try:
             return subprocess.Popen(
                 command,
                 env=self.environment(),
                 preexec_fn=self.pre_exec,
-                pass_fds=fds,
+                pass_fds=inherited,
                 stdin=subprocess.DEVNULL,
                 stdout=output,
                 stderr=subprocess.STDOUT,

@@ -11,6 +11,10 @@ a second sandbox.
 ===================================  =====================================================
 refused                              why
 ===================================  =====================================================
+``socket``, every family             a rank's one way out is the connection to the broker
+                                     that its trusted wrapper made and handed it: no TCP
+                                     (a rendezvous store on loopback), no netlink, no Unix
+                                     socket of the system's (dbus, journald) or abstract.
 ``fcntl`` F_SETLK, F_SETLKW,         POSIX and open-file-description byte-range locks live
 F_GETLK, F_OFD_SETLK, F_OFD_SETLKW,  on the inode: a lock set on a file every sandbox can
 F_OFD_GETLK; ``flock``               open (the read-only system) is seen by all of them,
@@ -85,6 +89,7 @@ _CLONE_NEW = {
 
 #: Refused outright (EPERM), by channel; names this architecture lacks are skipped.
 REFUSED: dict[str, tuple[str, ...]] = {
+    "sockets": ("socket",),  # the rank's one connection is inherited, made by its wrapper
     "new processes": ("fork", "vfork"),  # and clone without CLONE_THREAD (_rules)
     "file locks": ("flock",),
     "watching shared files": ("inotify_init", "inotify_init1", "fanotify_init"),

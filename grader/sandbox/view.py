@@ -1,18 +1,24 @@
-"""What the ranks of a job see of this machine: the sandbox's hiding policy, as data.
+"""What the ranks of a job see of this machine: the sandbox's policy, as data.
 
-Every sandbox level applies the same two lists: :func:`hidden` (hidden from the ranks) and
-:func:`interpreter` (bound back readable, for Python and torch). The ``namespaces`` level
-hides by mounting over them, the ``uid`` level by permissions that it checks first.
+Two views of one policy. The mounts of the ``namespaces`` level: :func:`hidden` (masked)
+and :func:`interpreter` (bound back readable, for Python and torch). The allow-list every
+sandboxed rank applies to itself with Landlock (:func:`allowed`), the ``uid`` level's wall
+and a second one behind the mounts: the system's libraries, the interpreter and its
+packages, the grader's rank side and the job's submission, read-only; a few devices; its
+own scratch and process (:func:`grader.sandbox.landlock.own_rules`). Nothing else: not
+``/tmp``, not another process's ``/proc``, not the course, wherever it lies.
 """
 
 from __future__ import annotations
 
 import os
 import sys
+import sysconfig
 from pathlib import Path
 
 from grader.course import config as course
 from grader.course.secret import secret_path
+from grader.sandbox.landlock import DEVICE, READ, Access, Rule
 
 # What the ranks see of the machine's root: the system, nothing else (another checkout of the
 # course, with its reference, may lie anywhere outside these).
@@ -37,3 +43,43 @@ def interpreter() -> list[Path]:
         if path and path.is_dir() and not path.is_relative_to(course.REPO_ROOT.resolve()):
             found.append(path)
     return list(dict.fromkeys(found))
+
+
+#: What the dynamic loader and the C library read at a process's start and after: the shared
+#: libraries, the loader's cache, the time zone, and who a uid is.
+_SYSTEM_READ = ("/lib", "/lib64", "/usr/lib", "/usr/lib64", "/usr/local/lib", "/etc/ld.so.cache",
+                "/etc/localtime", "/etc/passwd", "/etc/group", "/etc/nsswitch.conf",
+                "/proc/cpuinfo", "/proc/meminfo", "/sys/devices/system/cpu")  # fmt: skip
+_DEVICES = ("/dev/null", "/dev/zero", "/dev/full", "/dev/random", "/dev/urandom")
+#: A rank on a GPU: NVIDIA's device files (read, write, ioctl) and the driver's state.
+_GPU_DEVICES = ("/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools", "/dev/nvidia-caps")
+_GPU_READ = ("/proc/driver/nvidia", "/sys/bus/pci", "/sys/devices")
+
+
+def allowed(readable: list[Path], device: str = "cpu") -> list[Rule]:
+    """A rank's allow-list, but for its scratch and process: the system's libraries, the
+    interpreter (:func:`interpreter_files`), the ``readable`` folders (the grader's rank
+    side, the job's submission), a few devices."""
+    rules = [Rule(p, READ) for p in (*_SYSTEM_READ, *map(str, interpreter_files()))]
+    rules += [Rule(str(p), READ) for p in readable]
+    rules += [Rule(p, DEVICE) for p in _DEVICES]
+    if device == "cuda":
+        gpus = sorted(str(p) for p in Path("/dev").glob("nvidia[0-9]*"))
+        rules += [Rule(p, DEVICE | Access.IOCTL_DEV) for p in (*_GPU_DEVICES, *gpus)]
+        rules += [Rule(p, READ) for p in _GPU_READ]
+    return rules
+
+
+def interpreter_files() -> list[Path]:
+    """The interpreter and what it imports from: its executable, standard library and
+    package folders (a venv's and its base's), not the course, nor the folder it was
+    started in."""
+    paths = sysconfig.get_paths()
+    found = [Path(sys.executable), Path(sys.executable).resolve()]
+    found += [Path(paths[key]) for key in ("stdlib", "platstdlib", "purelib", "platlib")]
+    repo = course.REPO_ROOT.resolve()
+    for entry in sys.path[1:]:
+        path = Path(entry).resolve() if entry else None
+        if path and path.exists() and not path.is_relative_to(repo):
+            found.append(path)
+    return [p for p in dict.fromkeys(found) if p.exists()]

@@ -7,6 +7,7 @@ Every process the probe starts carries a token in its argv, so that a test can f
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import platform
@@ -27,7 +28,8 @@ from grader.sandbox import Level, Sandbox, SandboxError, identity
 
 PROBE = r"""
 import ctypes, fcntl, json, os, socket, subprocess, sys, time
-mode, token, repo, port, sock = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5]
+mode, token, repo, port = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+sock, connection = sys.argv[5], int(sys.argv[6])  # the broker's path; the wrapper's connection
 
 def attempt(action):
     try:
@@ -42,12 +44,15 @@ def write(path):
 def tcp():
     socket.create_connection(("127.0.0.1", port), timeout=3).close()
 
-def unix():
-    with socket.socket(socket.AF_UNIX) as s:
+def unix():  # on the connection the trusted wrapper made
+    with socket.socket(fileno=connection) as s:
         s.settimeout(5)
-        s.connect(sock)
         s.sendall(b"ping")
         return s.recv(64).decode()
+
+def unix_path():  # a connection of the rank's own, to the same socket
+    with socket.socket(socket.AF_UNIX) as s:
+        s.connect(sock)
 
 libc = ctypes.CDLL(None, use_errno=True)
 
@@ -87,8 +92,8 @@ if mode == "locks":
     print(json.dumps({k: attempt(KERNEL[k]) for k in ("lockf", "flock")}), flush=True)
 elif mode == "kernel":
     limits = {
-        "fill_scratch": attempt(lambda: fill("big.bin", int(sys.argv[6]) * 2)),
-        "open_files": attempt(lambda: open_many(int(sys.argv[7]) + 8)),
+        "fill_scratch": attempt(lambda: fill("big.bin", int(sys.argv[7]) * 2)),
+        "open_files": attempt(lambda: open_many(int(sys.argv[8]) + 8)),
     }
     print(json.dumps({**{k: attempt(v) for k, v in KERNEL.items()}, **limits}), flush=True)
 elif mode.startswith("probe"):
@@ -100,6 +105,7 @@ elif mode.startswith("probe"):
         "write_tmp": attempt(lambda: write(f"/tmp/{token}")),
         "write_shm": attempt(lambda: write(f"/dev/shm/{token}")),
         "tcp": attempt(tcp),
+        "unix_path": attempt(unix_path),
         "unix": attempt(unix),
         # Without a cap this would really fill 6 GiB (bytearray zeroes it): not at "none".
         "memory": attempt(lambda: len(bytearray(6 << 30))) if mode == "probe" else "skipped",
@@ -133,18 +139,24 @@ elif mode == "daemon":
 """
 
 # The trusted wrapper, as the rank's (grader.launch.sandboxed): dies with its parent, rebuilds
-# the Sandbox from JSON, starts the sandboxed command with its output (stdout and stderr) into
-# its own stdout, and exits with its status.
+# the Sandbox from JSON, connects the rank to the broker's socket, starts the sandboxed command
+# with that connection and its output (stdout and stderr) into its own stdout, and exits with
+# its status.
 WRAPPER = r"""
-import json, os, sys
+import json, os, socket, sys
 from pathlib import Path
 from grader.sandbox import Level, Sandbox, die_with
 die_with(os.getppid())  # the stand-in for torchrun
 spec = json.loads(sys.argv[1])
-argv = spec.pop("argv")
-for key in ("scratch", "hidden", "readable", "sockets"):
+argv, broker = spec.pop("argv"), spec.pop("broker")
+connection = socket.socket(socket.AF_UNIX)
+connection.connect(broker)
+argv = [str(connection.fileno()) if a == "{connection}" else a for a in argv]
+for key in ("scratch", "hidden", "readable"):
     spec[key] = Path(spec[key]) if key == "scratch" else tuple(map(Path, spec[key]))
-child = Sandbox(**{**spec, "level": Level(spec["level"])}).popen(argv, sys.stdout.buffer)
+spec = {**spec, "level": Level(spec["level"]), "connection": connection.fileno()}
+child = Sandbox(**spec).popen(argv, sys.stdout.buffer)
+connection.close()
 code = child.wait()
 sys.exit(code if code >= 0 else 128 - code)
 """
@@ -218,7 +230,6 @@ class World:
             scratch=self.base / "scratch",
             hidden=(self.repo, Path.home()),  # this machine's interpreter is in /root/.pyenv
             readable=(self.repo / "grader", *PREFIXES),
-            sockets=(self.sock,),
             env=env,
             **options,
         )
@@ -233,6 +244,7 @@ class World:
             str(self.repo),
             str(self.port),
             str(self.sock),
+            "{connection}",
         ]
 
     def launch(self, box: Sandbox, argv: list[str]) -> subprocess.Popen[str]:
@@ -241,7 +253,8 @@ class World:
         spec = {
             "level": box.level.value,
             "scratch": str(box.scratch),
-            **{k: [str(p) for p in getattr(box, k)] for k in ("hidden", "readable", "sockets")},
+            **{k: [str(p) for p in getattr(box, k)] for k in ("hidden", "readable")},
+            "broker": str(self.sock),
             "env": dict(box.env),
             "memory_bytes": box.memory_bytes,
             "scratch_bytes": box.scratch_bytes,
@@ -289,7 +302,7 @@ def serve(server: socket.socket) -> None:
             conn, _ = server.accept()
         except OSError:  # closed: the test is over
             return
-        with conn:
+        with conn, contextlib.suppress(OSError):  # a rank that never spoke: nothing to answer
             conn.sendall(b"pong:" + conn.recv(64))
 
 

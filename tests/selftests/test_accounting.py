@@ -56,7 +56,10 @@ def test_a_rank_that_cannot_be_read_is_not_measured() -> None:
 def test_the_pid_is_the_kernels_and_the_reading_counts_every_thread() -> None:
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     with ours, theirs:
-        assert accounting.peer_pid(ours) == os.getpid()
+        ours.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
+        theirs.sendall(b"hello")
+        assert accounting.sender_pid(ours) == os.getpid()
+        assert ours.recv(5) == b"hello"  # only looked at
     meter = accounting.Meter(os.getpid())
     try:
         before = meter.read()
@@ -85,6 +88,7 @@ class _RunsLateAfterWriting(socket.socket):
 @pytest.mark.parametrize("payload", [0, 4 << 20], ids=["written-at-once", "by-its-writer"])
 def test_a_rank_is_free_from_the_write_that_woke_it_however_late_the_broker_runs(payload) -> None:
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    ours.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)  # as launch.job.listen's are
     late = _RunsLateAfterWriting(socket.AF_UNIX, socket.SOCK_STREAM, fileno=ours.detach())
     broker = Broker(1)
     served = threading.Thread(target=broker.serve, args=(0, late), daemon=True)
@@ -92,6 +96,7 @@ def test_a_rank_is_free_from_the_write_that_woke_it_however_late_the_broker_runs
 
     def rank() -> None:  # sleeps 50 ms as soon as it has its call
         with theirs:
+            wire.send_frame(theirs, wire.Frame({"type": protocol.HELLO, "rank": 0}))
             assert wire.recv_frame(theirs) is not None  # the segment it was offered: not taken
             assert wire.recv_frame(theirs) is not None  # the call
             time.sleep(0.05)
@@ -122,6 +127,7 @@ from grader import protocol, wire
 
 rank = socket.socket(socket.AF_UNIX)
 rank.connect(sys.argv[1])
+wire.send_frame(rank, wire.Frame({"type": protocol.HELLO, "rank": 0}))  # up
 print("ready", flush=True)
 
 def read():  # late: the broker's writer is still writing the call after the first mark
@@ -146,6 +152,7 @@ def test_a_rank_computing_while_a_frame_is_written_to_it_is_never_outside(tmp_pa
     that write began: the rank that computes meanwhile is charged its CPU, not a sleep."""
     path = str(tmp_path / "rank.sock")
     listener = socket.socket(socket.AF_UNIX)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)  # as launch.job.listen does
     listener.bind(path)
     listener.listen(1)
     broker = Broker(1)
@@ -220,9 +227,9 @@ def test_work_in_a_child_process_is_refused_where_it_could_not_be_counted(grade)
     tests = forked.results["tests"]
     assert tests and all(test["score"] == 0 for test in tests)
     correctness = forked.test("all_reduce", 2)
-    assert correctness["extra_data"]["outcome"] == "error"
+    assert correctness["extra_data"]["outcome"] == "forbidden"
     assert "PermissionError" in correctness["output"]
-    refused = "the sandbox refuses this system call (new processes, file locks, "
+    refused = "the sandbox refuses this system call (sockets, new processes, file locks, "
     assert refused in correctness["output"]
     assert "subprocess.run(" in correctness["output"]  # the fork was refused, and then this
 

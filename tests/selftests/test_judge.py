@@ -74,6 +74,7 @@ class FakeRank:
         self.sock.connect(str(protocol.rank_socket(broker_dir, rank)))
         self.frames: list[Frame] = []
         threading.Thread(target=self._read, daemon=True).start()
+        self.post(protocol.HELLO, rank=rank)  # a rank is up once it has spoken
 
     def _read(self) -> None:
         try:

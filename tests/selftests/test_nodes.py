@@ -48,7 +48,7 @@ def _when_running(graders: list[subprocess.Popen[str]], ranks: int = 4) -> list[
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
         started = [pid for grader in graders for pid in descendants(grader.pid)]
-        workers = [pid for pid in started if "grader.rank.worker" in command_line(pid)]
+        workers = [pid for pid in started if " -m grader.rank " in command_line(pid)]
         if len(workers) >= ranks:
             return started
         time.sleep(0.3)

@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import re
 import select
 import shutil
 import signal
@@ -85,7 +84,8 @@ def test_namespaces_hide_confine_and_cap(world: World) -> None:
     assert not (world.repo / "grader" / "evil.py").exists()
     assert not (Path("/tmp") / world.token).exists()  # a private /tmp, if any
     assert not (Path("/dev/shm") / world.token).exists()
-    assert seen["tcp"] in ("ConnectionRefusedError", "OSError", "TimeoutError")
+    # No socket of its own (the seccomp filter): only the connection its wrapper made.
+    assert seen["tcp"] == seen["unix_path"] == "PermissionError"
     assert seen["unix"] == "pong:ping"
     assert seen["memory"] == "MemoryError"
     assert seen["write_tmp"] == "ok"  # a private /tmp
@@ -114,10 +114,12 @@ def test_uid_level_confines_by_permissions(world: World) -> None:
     assert seen["write_scratch"] == "ok" and seen["write_repo"] == "PermissionError"
     assert not (world.repo / "grader" / "evil.py").exists()
     assert seen["unix"] == "pong:ping" and seen["memory"] == "MemoryError"
+    assert seen["tcp"] == seen["unix_path"] == "PermissionError"
     assert seen["uid"] == uid and not seen["leaked"]
     assert seen["shadow"] == "PermissionError" and seen["caps"] == "0000000000000000"
     assert seen["cwd"] == seen["home"] == str(world.base / "scratch")
-    # What this level does not do, as the README says: /tmp is shared with the host.
+    # What permissions alone do not do: /tmp is shared with the host. The Landlock allow-list
+    # that a rank applies to itself closes it (test_wall.py, with the real rank).
     assert seen["write_tmp"] == "ok"
 
 
@@ -259,20 +261,18 @@ dist.destroy_process_group()
 
 
 @needs_namespaces
-def test_a_gloo_rank_runs_inside_at_the_default_cap(world: World) -> None:
-    """torch's address space with a gloo process group (printed; ~0.9 GiB) fits the default
-    cap, which bounds each rank's process. One rank: a rank starts no process (torchrun's
-    agent cannot run inside), and its network namespace is its own."""
+def test_a_gloo_rank_inside_gets_no_socket(world: World) -> None:
+    """gloo's rendezvous store and its pairs are TCP sockets: inside, a rank has none (its one
+    connection is the broker's), so a process group of a backend of its own never forms."""
     job = world.repo / "grader" / "job.py"  # bound in read-only
     job.write_text(GLOO_JOB)
-    # The port is the sandbox's own: its network namespace has nothing else listening.
     env = {"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
     box = world.sandbox(Level.NAMESPACES, memory_bytes=sandbox.DEFAULT_MEMORY, env=env)
     code, out, err = world.run(box, [sys.executable, str(job), world.token], timeout=90)
-    assert code == 0, err[-2000:]
-    reports = re.findall(r"rank(\d+) sum (\d+) VmPeak_MiB (\d+)", out)
-    assert [(rank, total) for rank, total, _ in reports] == [("0", "1")], out
-    print(reports)
+    assert code != 0 and "sum" not in out
+    assert "EPERM" in out + err, (out + err)[
+        -2000:
+    ]  # torch: "The server socket has failed to bind ... EPERM"
 
 
 def test_a_rank_wrapper_whose_torchrun_is_gone_starts_nothing(tmp_path: Path) -> None:
@@ -280,8 +280,8 @@ def test_a_rank_wrapper_whose_torchrun_is_gone_starts_nothing(tmp_path: Path) ->
     torchrun, as if torchrun had died and the wrapper been handed to another parent) exits
     at once, as killed, without reading its job's plan or starting a sandbox."""
     done = subprocess.run(
-        [sys.executable, "-m", "grader.launch.sandboxed", str(tmp_path)],
-        env={**os.environ, "RANK": "0", "PYTHONPATH": str(REPO)},
+        [sys.executable, "-m", "grader.launch.sandboxed"],
+        env={**os.environ, "RANK": "0", "PYTHONPATH": str(REPO), "GRADER_JOB": str(tmp_path)},
         capture_output=True,
         text=True,
         timeout=60,
