@@ -38,6 +38,7 @@ from grader.launch.world import RankPool
 from grader.nodes import Nodes, NodesError, node_key, pack_folder
 from grader.nodes.head import Head
 from grader.report.results import GradedResult
+from grader.sandbox.identity import Identity
 from grader.testkit import data
 from grader.wire import Frame
 
@@ -197,7 +198,7 @@ class Session:
             self._reference.close()
             self._reference = None
         if self._reference is None:
-            reference = _reference_job(self.config, settings)
+            reference = _reference_job(self.config, settings, self.workspace.reference_identity)
             if reference is not None:
                 self._reference = RankPool(size, reference)
         return self._reference
@@ -233,13 +234,14 @@ def _run_tests(
     return code == pytest.ExitCode.INTERRUPTED and failure is None, failure
 
 
-def _reference_job(config: GradingConfig, settings: JobSettings) -> JobSettings | None:
+def _reference_job(
+    config: GradingConfig, settings: JobSettings, identity: Identity | None
+) -> JobSettings | None:
     """How to run the reference beside the submission, for the performance tests to time its
     local work on this machine, in this run: its own job, in a sandbox of the submission's
-    level where that sandbox keeps the two jobs apart (``namespaces``), else unsandboxed (it
-    is the course's code; at ``uid`` the submission's ranks could signal a process of their
-    own uids). None where there is none: a student's release, or a run across nodes (whose
-    ranks the broker cannot time)."""
+    level, under uids of its own (``identity``: no student rank shares them, so none can
+    signal it or read its folder). None where there is none: a student's release, or a run
+    across nodes (whose ranks the broker cannot time)."""
     reference = course.REPO_ROOT / "reference"
     if settings.head is not None or not reference.is_dir():
         return None
@@ -247,9 +249,9 @@ def _reference_job(config: GradingConfig, settings: JobSettings) -> JobSettings 
     shutil.rmtree(work, ignore_errors=True)
     stage(reference, work / "import")
     level = sandbox.Level(settings.sandbox)
-    if level is not sandbox.Level.NAMESPACES:
-        level = sandbox.Level.NONE
-    return job_settings(work, level, settings.device, None, config.limits)
+    if identity is not None and level is not sandbox.Level.NONE:
+        identity.share(work)
+    return job_settings(work, level, settings.device, None, config.limits, identity)
 
 
 def _start_head(

@@ -81,13 +81,16 @@ class Workspace:
         self.device = device  # the ranks': "cpu" or "cuda" (:func:`device`)
         self.work = Path(tempfile.mkdtemp(prefix="grader-")).resolve()
         self.level: sandbox.Level | None = None  # chosen at the first job
-        self.identity: Identity | None = None
+        self.identity: Identity | None = None  # the submission's ranks'
+        self.reference_identity: Identity | None = None  # the reference's: never a student's
         self.started: Launched | None = None  # the first job, until a session takes it
         try:
-            self.work.chmod(0o711)  # the sandbox's uid may pass through to its socket, scratch
+            self.work.chmod(0o711)  # a rank's uid passes through to its scratch, and no further
             (self.work / "import").mkdir()  # bound into every job; staged into at each grading
             if os.geteuid() == 0 and sys.platform == "linux":
                 self.identity = uids.reserve()
+                self.reference_identity = uids.reserve()
+                self.identity.share(self.work / "import")
         except BaseException:  # an interrupt before the caller holds the workspace
             shutil.rmtree(self.work, ignore_errors=True)
             raise
@@ -116,9 +119,10 @@ class Workspace:
             self.started.end()
             self.started = None
         shutil.rmtree(self.work, ignore_errors=True)
-        if self.identity is not None:
-            self.identity.release()
-            self.identity = None
+        for identity in (self.identity, self.reference_identity):
+            if identity is not None:
+                identity.release()
+        self.identity = self.reference_identity = None
 
 
 def device() -> str:

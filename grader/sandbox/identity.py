@@ -10,7 +10,10 @@ is held by an ``flock`` on its file in ``/run/grader-uids`` for as long as the r
 process lives, so that a grading killed without a word frees it too. A block whose uids
 still own a process (one of another program, or a rank that outlived a killed grader) is
 skipped, never killed: the cleanup kills only its own job's processes. Rank ``r`` of this
-node runs as ``first + r``; its gid is the same number, with no supplementary groups.
+node runs as ``first + r``, and every rank of the block in group ``first``, with no
+supplementary groups: the folders a job reads (its submission) are that group's alone
+(:meth:`Identity.share`). A run holds two blocks: its submission's ranks and the
+reference's, which no student rank shares.
 
 A grader that is not root needs none of this: bubblewrap gives each rank a user namespace
 of its own (``--unshare-user``).
@@ -59,6 +62,17 @@ class Identity:
     @property
     def uids(self) -> range:
         return range(self.first, self.first + self.count)
+
+    @property
+    def group(self) -> int:
+        """The gid every rank of the block runs in."""
+        return self.first
+
+    def share(self, folder: Path) -> None:
+        """Make ``folder`` (the grader's) readable by this block's ranks and by no other
+        uid: owned by root and the block's group, 0750."""
+        os.chown(folder, 0, self.group)
+        folder.chmod(0o750)
 
     def end_jobs(self) -> int:
         """SIGKILL every process of the block's uids; returns how many there were."""

@@ -113,12 +113,15 @@ def ends_with_the_tests(command: list[str]) -> list[str]:
 
 
 def start_grader(
-    args: list[str], cwd: Path = REPO, env: dict[str, str] | None = None
+    args: list[str],
+    cwd: Path = REPO,
+    env: dict[str, str] | None = None,
+    python: str = sys.executable,
 ) -> subprocess.Popen[str]:
     """`python -m grader ARGS`, started in a session of its own, its output piped; it ends
     when the test process does."""
     return subprocess.Popen(
-        ends_with_the_tests([sys.executable, "-m", "grader", *args]),
+        ends_with_the_tests([python, "-m", "grader", *args]),
         cwd=cwd,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
