@@ -23,7 +23,7 @@ import uuid
 from pathlib import Path
 
 import pytest
-from runner import REPO, materialize, run_grader, start_grader
+from runner import REPO, materialize, run_grader, start_grader, without_bwrap
 
 from grader import sandbox
 from grader.launch.workspace import UNSANDBOXED
@@ -153,18 +153,6 @@ def test_side_by_side_the_kernel_object_attack_earns_nothing(tmp_path: Path) -> 
         bystander.wait()
 
 
-def _without_bwrap(tmp_path: Path) -> dict[str, str]:
-    """PATH with every tool this machine has but bubblewrap: namespaces are refused."""
-    tools = tmp_path / "bin"
-    tools.mkdir()
-    for folder in os.environ["PATH"].split(os.pathsep):
-        for tool in Path(folder).glob("*") if Path(folder).is_dir() else ():
-            link = tools / tool.name
-            if tool.name != "bwrap" and not link.exists():
-                link.symlink_to(tool)
-    return {"PATH": str(tools)}
-
-
 def _one_line(stderr: str) -> str:
     lines = [line for line in stderr.splitlines() if line.strip()]
     assert len(lines) == 1, stderr
@@ -190,7 +178,7 @@ def test_without_namespaces_a_course_run_grades_at_uid_or_refuses_at_once(
     (tmp_path / "results").mkdir()
     paths = {"/submission": str(REPO / "reference"), "/results": str(tmp_path / "results")}
     args = [re.sub("^/(submission|results)", lambda m: paths[m.group(0)], a) for a in command]
-    env = {**_without_bwrap(tmp_path), "GRADER_CONFIG": str(course / "tests/graded/grading.yaml")}
+    env = {**without_bwrap(tmp_path), "GRADER_CONFIG": str(course / "tests/graded/grading.yaml")}
     sandbox.unavailable.cache_clear()
     started = time.monotonic()
     done = run_grader([*args, "collectives", "-k", "all_reduce", "--world-size", "2"], env=env)
@@ -213,7 +201,7 @@ def test_without_namespaces_a_course_run_grades_at_uid_or_refuses_at_once(
 def test_without_namespaces_a_students_run_falls_back_and_none_asked_for_is_marked(
     tmp_path: Path,
 ) -> None:
-    env = _without_bwrap(tmp_path)
+    env = without_bwrap(tmp_path)
     select = ["collectives", "-k", "all_reduce", "--world-size", "1"]
     own = run_grader([*CONFIG, "run", *select, "--submission", str(REPO / "reference")], env=env)
     assert own.returncode == 0, own.stderr

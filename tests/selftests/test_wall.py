@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -24,7 +25,7 @@ import uuid
 from pathlib import Path
 
 import pytest
-from runner import REPO, materialize, start_grader
+from runner import REPO, materialize, start_grader, without_bwrap
 
 from grader import sandbox
 from grader.sandbox import Level, identity
@@ -133,3 +134,34 @@ def test_a_rank_reaches_nothing_beside_another_grading(tmp_path: Path, level: Le
     everything = json.dumps(results["attack"]) + said["attack"][0] + said["attack"][1]
     for line in _forbidden_bytes(course, secret, marker):
         assert line not in everything, line
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(bool(_uid_python()), reason=str(_uid_python()))
+def test_the_images_command_grades_at_uid_and_the_wall_holds(tmp_path: Path) -> None:
+    """The Docker image's command (ENTRYPOINT + CMD) on the image's layout, as root without
+    bubblewrap (Docker's default profile refuses namespaces): ``auto`` chooses ``uid``, the
+    reference earns its points and the wall probe, graded beside it, reaches nothing."""
+    text = (REPO / "Dockerfile").read_text()
+    command = json.loads(re.search(r"^CMD (.+)$", text, re.M).group(1))
+    assert json.loads(re.search(r"^ENTRYPOINT (.+)$", text, re.M).group(1)) == ["grader"]
+    assert "chmod -R o-rwx" in text
+    course = _course(tmp_path / "opt" / "grader")
+    env = {**without_bwrap(tmp_path), "GRADER_CONFIG": str(course / "tests/graded/grading.yaml")}
+    attack = materialize("attack_wall", tmp_path)
+    submissions = {"reference": course / "reference", "attack": attack}
+    started = {}
+    for name, submission in submissions.items():
+        (tmp_path / name).mkdir()
+        paths = {"/submission": str(submission), "/results": str(tmp_path / name)}
+        args = [next((a.replace(k, v, 1) for k, v in paths.items() if a.startswith(k)), a)
+                for a in command]  # fmt: skip
+        select = ["collectives", "-k", "all_reduce", "--world-size", "2"]
+        started[name] = start_grader([*args, *select], env=env, python=UID_PYTHON)
+    said = {name: process.communicate(timeout=600) for name, process in started.items()}
+    results = {n: json.loads((tmp_path / n / "results.json").read_text()) for n in started}
+    assert {r["extra_data"]["sandbox"] for r in results.values()} == {"uid"}, said
+    reference = results["reference"]
+    assert reference["score"] == sum(t["max_score"] for t in reference["tests"]), said
+    walk = next(t for t in results["attack"]["tests"] if t["extra_data"]["test"] == "all_reduce")
+    assert "RuntimeError: REACHED: none" in walk["output"], walk["output"]
