@@ -15,9 +15,10 @@
 # hangs. Share the host's (--ipc=host) or give it more (--shm-size=1g or larger).
 #
 # The grader runs as root in the container, and each rank as a uid of its own run's (never
-# root, never one anything else uses), with a seccomp filter: Docker's default profile
-# refuses namespaces, so the ranks run at the `uid` sandbox level, where only permissions
-# hide the course (made unreadable to others below). Where namespaces are allowed (e.g.
+# root, never one anything else uses), with a seccomp filter (no socket of its own) and a
+# Landlock allow-list of paths: Docker's default profile refuses namespaces, so the ranks
+# run at the `uid` sandbox level (it needs a kernel with Landlock, Linux 5.13+; the course
+# is also made unreadable to others below). Where namespaces are allowed (e.g.
 # --security-opt seccomp=unconfined --cap-add SYS_ADMIN), bubblewrap gives `namespaces`.
 ARG BASE_IMAGE=python:3.11-slim
 FROM ${BASE_IMAGE}
@@ -47,7 +48,7 @@ COPY tests/graded ./tests/graded
 # course (graded tests, reference, stubs) is.
 ENV GRADER_CONFIG=/opt/grader/tests/graded/grading.yaml
 # The course (reference, graded tests, configuration) unreadable to the ranks' uids; the
-# installed package in site-packages stays readable: the ranks import it.
+# ranks import a copy of the grader that each run makes.
 RUN pip install . \
     && mkdir /results /submission \
     && chmod -R o-rwx /opt/grader

@@ -11,5 +11,6 @@ python3 -m pip install --index-url https://download.pytorch.org/whl/cpu torch==2
 # finds this folder's tests/graded/ through run_autograder's --config.
 python3 -m pip install .
 # Where namespaces are refused (Gradescope's containers), the ranks run as an unprivileged
-# uid: the course (the graded tests, their configuration) must be unreadable to it.
+# uid, walled in by Landlock: the course (the graded tests, their configuration) must also
+# be unreadable to it, which the grader checks before it grades.
 chmod -R o-rwx "$root/source"

@@ -165,3 +165,13 @@ def test_the_images_command_grades_at_uid_and_the_wall_holds(tmp_path: Path) -> 
     assert reference["score"] == sum(t["max_score"] for t in reference["tests"]), said
     walk = next(t for t in results["attack"]["tests"] if t["extra_data"]["test"] == "all_reduce")
     assert "RuntimeError: REACHED: none" in walk["output"], walk["output"]
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="the sandbox levels need Linux")
+def test_a_socket_is_forbidden_and_its_line_named(grade) -> None:
+    graded = grade("attack_network", "collectives", k="all_reduce", world_sizes=(2,))
+    assert graded.results["extra_data"]["sandbox"] != "none"
+    test = graded.test("all_reduce", 2)
+    assert test["extra_data"]["outcome"] == "forbidden" and test["score"] == 0
+    assert "the sandbox refuses this system call (sockets" in test["output"], test["output"]
+    assert "socket.create_connection((" in test["output"]  # the student's line
