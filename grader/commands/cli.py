@@ -110,6 +110,10 @@ def _main(argv: list[str] | None) -> int:
             config.part(part)  # an unknown part is a usage error
         if args.command == "list":
             return _list(console, config, parts)
+        if args.command == "doctor":
+            from grader.commands.doctor import doctor
+
+            return EXIT_PASSED if doctor(console, config, args.sandbox) else EXIT_CANNOT_GRADE
         modules = [f"{part}.py" for part in config.parts]
         if args.command == "bench":
             return _bench(console, args, modules)
@@ -194,6 +198,14 @@ def _grade(
         return EXIT_INTERRUPTED
 
 
+def _level_line(workspace: Workspace) -> str:
+    """What isolates the student's code, and why no stronger level, where it is known."""
+    if workspace.level is None:  # across nodes: each node's, told at the end
+        return ""
+    refused = "; ".join(f"{lv.value}: {why}" for lv, why in workspace.refused.items())
+    return f", sandbox {workspace.level.value}" + (f" ({refused})" if refused else "")
+
+
 def _first_job_size(config: GradingConfig, parts: list[str], world_sizes: list[int] | None) -> int:
     """The ranks the run's first job needs, known before the tests are collected: the
     largest world size of the parts, or of ``--world-size`` if smaller. The workspace starts
@@ -236,7 +248,9 @@ def _run(
 
     start = time.monotonic()
     console.print(
-        f"Grading [bold]{escape(str(submission))}[/] ({len(tests)} tests)", highlight=False
+        f"Grading [bold]{escape(str(submission))}[/] ({len(tests)} tests)"
+        + escape(_level_line(session.workspace)),
+        highlight=False,
     )
     with ProgressDisplay(console, len(tests)) as display:
         listener = Listener(display.on_start, display.on_verdict)

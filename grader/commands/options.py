@@ -109,6 +109,13 @@ def parser() -> argparse.ArgumentParser:
     bench.add_argument(
         "--output", type=Path, default=Path("bench-collectives.png"), help="where the plot goes"
     )
+    doctor = commands.add_parser(
+        "doctor", help="the sandbox levels this machine offers, and what fixes the others"
+    )
+    doctor.add_argument(
+        "--sandbox", choices=["auto", "namespaces", "uid", "none"], default="auto",
+        help="the level to try (default: every one)",
+    )  # fmt: skip
     listing = commands.add_parser(
         "list", help="list the parts, their tests, points and Gradescope visibility"
     )

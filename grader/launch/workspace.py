@@ -46,8 +46,9 @@ UNSANDBOXED = (
 _FIXES = {
     sandbox.Level.NAMESPACES: "run the grader as root, or where bubblewrap may bind the "
     "course's paths read-only",
-    sandbox.Level.UID: "install Python and the grader where every user may read them (not "
-    "under a 0700 home), or install bubblewrap (apt-get install bubblewrap)",
+    sandbox.Level.UID: "use an interpreter every user may run, not one under a 0700 home: "
+    "Debian's /usr/bin/python3 or a venv made from it; or install bubblewrap (apt-get install "
+    "bubblewrap)",
 }
 #: Signs of a GPU that torch might use: NVIDIA's driver loaded or its device files (WSL's,
 #: Jetson's too), ROCm's. With none of them and no CUDA driver library, the ranks' device is
@@ -81,6 +82,7 @@ class Workspace:
         self.device = device  # the ranks': "cpu" or "cuda" (:func:`device`)
         self.work = Path(tempfile.mkdtemp(prefix="grader-")).resolve()
         self.level: sandbox.Level | None = None  # chosen at the first job
+        self.refused: dict[sandbox.Level, str] = {}  # why each stronger level was not taken
         self.identity: Identity | None = None  # the submission's ranks'
         self.reference_identity: Identity | None = None  # the reference's: never a student's
         self.started: Launched | None = None  # the first job, until a session takes it
@@ -106,6 +108,7 @@ class Workspace:
                 self.sandbox_request,
                 self.for_course,
                 lambda lv: job_settings(self.work, lv, "cpu", identity=identity),
+                self.refused,
             )
         return self.level
 
@@ -138,33 +141,54 @@ def device() -> str:
 
 
 def choose_level(
-    request: str, for_course: bool, settings_for: Callable[[sandbox.Level], JobSettings]
+    request: str,
+    for_course: bool,
+    settings_for: Callable[[sandbox.Level], JobSettings],
+    refused: dict[sandbox.Level, str] | None = None,
 ) -> sandbox.Level:
-    """The strongest level asked for that really runs a rank here (:func:`probe`, with
+    """The strongest level asked for that really runs a rank here (:func:`why_not`, with
     the settings of this run); ``none`` for a course's run only when asked for by name.
+    ``refused`` gets why each stronger level was not taken.
 
     Raises :class:`sandbox.SandboxError`, one line naming each level's cause and fix.
     """
-    named = sandbox.requested(request)
-    tried: list[str] = []
+    refused = {} if refused is None else refused
     for level in sandbox.candidates(request):
-        if level is sandbox.Level.NONE and for_course and named != "none":
-            tried.append(
+        why = why_not(level, request, for_course, settings_for)
+        if why is None:
+            return level
+        refused[level] = why
+    tried = "; ".join(
+        why if level is sandbox.Level.NONE else f"{level.value}: {why}"
+        for level, why in refused.items()
+    )
+    raise sandbox.SandboxError("cannot sandbox the ranks here: " + tried)
+
+
+def why_not(
+    level: sandbox.Level,
+    request: str,
+    for_course: bool,
+    settings_for: Callable[[sandbox.Level], JobSettings],
+) -> str | None:
+    """Why ``level`` cannot grade here (with its fix), or None: the machine's tools and
+    privileges, then a real rank started with this run's settings (:func:`probe`), then, at
+    ``uid``, whether a rank could read the course."""
+    if level is sandbox.Level.NONE:
+        if for_course and sandbox.requested(request) != "none":
+            return (
                 "a run that writes results for a course does not grade unsandboxed "
                 "unless --sandbox none is given"
             )
-            break
-        why = sandbox.unavailable(level)
-        if why is None and level is not sandbox.Level.NONE:
-            settings = settings_for(level)
-            why = probe(settings)
-            why = why and f"a rank cannot start: {why} ({_FIXES[level]})"
-            if why is None and level is sandbox.Level.UID:
-                why = _exposed(settings)
-        if why is None:
-            return level
-        tried.append(f"{level.value}: {why}")
-    raise sandbox.SandboxError("cannot sandbox the ranks here: " + "; ".join(tried))
+        return None
+    why = sandbox.unavailable(level)
+    if why is not None:
+        return why
+    settings = settings_for(level)
+    started = probe(settings)
+    if started is not None:
+        return f"a rank cannot start: {started} ({_FIXES[level]})"
+    return _exposed(settings) if level is sandbox.Level.UID else None
 
 
 def _exposed(settings: JobSettings) -> str | None:

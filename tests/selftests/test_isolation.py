@@ -226,3 +226,21 @@ def test_without_namespaces_a_students_run_falls_back_and_none_asked_for_is_mark
     document = json.loads(results.read_text())
     assert document["extra_data"]["sandbox"] == "none"
     assert document["extra_data"]["review"][0] == UNSANDBOXED
+
+
+def test_doctor_names_each_level_and_its_fix(tmp_path: Path) -> None:
+    """`grader doctor` tries every level as a grading would, in seconds, and says what fixes
+    the ones refused; `grader run` says its level, and why no stronger one, on its first line."""
+    env = without_bwrap(tmp_path)
+    done = run_grader([*CONFIG, "doctor"], env=env)
+    lines = done.stdout.splitlines()
+    assert "namespaces  refused: bwrap is not installed (apt-get install bubblewrap)" in lines[0]
+    assert lines[2].strip() == "none  ok"
+    if done.returncode == 0:
+        assert lines[1].strip() == "uid  ok" and lines[3] == "a course's grading runs at uid"
+    else:
+        assert done.returncode == 2 and "cannot run here" in lines[3]
+    graded = run_grader([*CONFIG, "run", "collectives", "-k", "all_reduce", "--world-size", "1"])
+    first = graded.stdout.splitlines()[0]
+    level = sandbox.detect()
+    assert f", sandbox {level.value}" in first, first
