@@ -11,7 +11,12 @@ from __future__ import annotations
 import sys
 
 import pytest
+import torch
 from conformance import TABLE, Outcome, disagreement, on_broker, on_gloo
+
+from grader.broker import rules
+from grader.protocol import ProtocolError, TensorMeta
+from grader.rank import backend
 
 sys.path.insert(0, str(TABLE))
 import variants
@@ -39,3 +44,38 @@ def test_variant_names_are_unique() -> None:
 def test_broker_agrees_with_gloo(name: str, gloo: dict, broker: dict) -> None:
     problem = disagreement(variants.BY_NAME[name], gloo[name], broker[name])
     assert problem is None, f"{name}: {problem}"
+
+
+VIEWS = {
+    "contiguous": lambda: torch.zeros(2, 3),
+    "transposed": lambda: torch.zeros(3, 2).T,
+    "rows of a matrix": lambda: torch.zeros(4, 3)[1:3],
+    "columns of a matrix": lambda: torch.zeros(2, 4)[:, 1:3],
+    "every other element": lambda: torch.zeros(8)[::2],
+    "expanded": lambda: torch.zeros(3, 1).expand(3, 4),
+    "a column": lambda: torch.zeros(3, 4)[:, :1],
+    "empty": lambda: torch.zeros(3, 0),
+    "0-d": lambda: torch.tensor(1.0),
+}
+
+
+@pytest.mark.parametrize("view", VIEWS)
+def test_the_broker_reads_a_views_layout_as_torch_does(view: str) -> None:
+    """The broker decides from the shape and strides a rank reports: contiguous as torch
+    says, dense where the elements fill one block of memory exactly once."""
+    t = VIEWS[view]()
+    meta = TensorMeta.read(backend._meta(t))
+    offsets = torch.zeros(t.shape, dtype=torch.long)  # each element's place in memory
+    for dim, (size, stride) in enumerate(zip(t.shape, t.stride(), strict=True)):
+        shape = [1] * t.dim()
+        shape[dim] = size
+        offsets = offsets + (torch.arange(size) * stride).view(shape)
+    filled = sorted(offsets.reshape(-1).tolist())
+    block = list(range(filled[0], filled[0] + len(filled))) if filled else []
+    assert rules.contiguous(meta) == t.is_contiguous()
+    assert rules.dense(meta) == (filled == block)
+
+
+def test_a_rank_cannot_describe_a_tensor_of_another_size() -> None:
+    with pytest.raises(ProtocolError):
+        TensorMeta.read({"dtype": "float32", "numel": 6, "shape": [2, 2], "strides": [2, 1]})
