@@ -26,6 +26,7 @@ TABLE = HERE / "submissions" / "conformance"
 GLOO_TIMEOUT = 8.0  # seconds gloo waits for a peer before it raises
 STALL = 2 * GLOO_TIMEOUT + 12  # no variant finished for this long: the ranks hang
 STARTUP = 300.0  # seconds the ranks may take to import torch (a busy machine is slow)
+DYING = 3.0  # seconds without progress once a rank died
 
 
 class Outcome(NamedTuple):
@@ -109,53 +110,81 @@ def on_broker(names: list[str], world: int, work: Path) -> dict[str, Outcome]:
 
 
 def on_gloo(count: int, world: int, work: Path) -> list[Outcome]:
-    """Variants 0..count-1 on real gloo: ``world`` processes, restarted past a fatal one."""
+    """Variants 0..count-1 on real gloo: ``world`` processes, replaced past a fatal variant
+    by a set started beforehand (importing torch takes the most time of all)."""
     outcomes: list[Outcome] = []
-    while len(outcomes) < count:
-        ended = _attempt(len(outcomes), world, work)
-        outcomes += _read(len(outcomes), count, world, work)
-        if len(outcomes) < count:  # the next variant ended or hung a rank
-            outcomes.append(Outcome(f"gloo ended the ranks: {ended or 'they hung'}"))
+    sets, idle = [_Ranks.spawn(0, world, work)], 0
+    try:
+        while len(outcomes) < count:
+            sets.append(_Ranks.spawn(len(sets), world, work))  # the standby
+            ended = sets[-2].run(len(outcomes))
+            done = _read(len(outcomes), count, world, work)
+            outcomes += done
+            idle = 0 if done else idle + 1
+            # The next variant ended or hung a rank, if one began it (a rank can also die
+            # between two variants, or setting one up: then the next set starts it again).
+            began = list(work.glob(f"{len(outcomes)}.*.began"))
+            if len(outcomes) < count and (began or idle > 1):
+                outcomes.append(Outcome(f"gloo ended the ranks: {ended or 'they hung'}"))
+    finally:
+        for ranks in sets:
+            ranks.end()
     return outcomes
 
 
-def _attempt(start: int, world: int, work: Path) -> str:
-    """Run the ranks from variant ``start`` until they finish, die or stall; how they ended."""
-    store = dist.TCPStore("127.0.0.1", 0, world + 1, True, wait_for_workers=False)
-    command = [sys.executable, __file__, str(world), str(store.port), str(work), str(start)]
-    logs = [(work / f"log{start}.{r}").open("w") for r in range(world)]
-    ranks = [
-        subprocess.Popen([*command, str(r)], stdout=log, stderr=subprocess.STDOUT)
-        for r, log in enumerate(logs)
-    ]
-    try:
-        _watch(ranks, work, start)
-    finally:
-        for rank in ranks:
-            if rank.poll() is None:
-                rank.kill()
-            rank.wait()
-        for log in logs:
-            log.close()
-    return "; ".join(
-        f"rank {r}: killed, stuck" if p.returncode == -9
-        else f"rank {r}: exit status {p.returncode}, {_last_line(work / f'log{start}.{r}')}"
-        for r, p in enumerate(ranks)
-        if p.returncode
-    )  # fmt: skip
+class _Ranks(NamedTuple):
+    """One set of rank processes: they import torch, then wait for the variant to start at."""
+
+    number: int
+    store: dist.TCPStore
+    processes: list[subprocess.Popen]
+    logs: list[Path]
+
+    @classmethod
+    def spawn(cls, number: int, world: int, work: Path) -> _Ranks:
+        store = dist.TCPStore("127.0.0.1", 0, world + 1, True, wait_for_workers=False)
+        command = [sys.executable, __file__, str(world), str(store.port), str(work), str(number)]
+        logs = [work / f"log{number}.{r}" for r in range(world)]
+        processes = []
+        for rank, log in enumerate(logs):
+            with log.open("w") as out:
+                command_line = [*command, str(rank)]
+                processes.append(subprocess.Popen(command_line, stdout=out, stderr=out))
+        return cls(number, store, processes, logs)
+
+    def run(self, start: int) -> str:
+        """Run the variants from ``start`` until the ranks finish, die or stall; how they
+        ended (empty if well)."""
+        self.store.set("start", str(start))
+        try:
+            _watch(self.processes, self.logs[0].parent, self.number)
+        finally:
+            self.end()
+        return "; ".join(
+            f"rank {r}: killed, stuck" if p.returncode == -9
+            else f"rank {r}: exit status {p.returncode}, {_last_line(self.logs[r])}"
+            for r, p in enumerate(self.processes)
+            if p.returncode
+        )  # fmt: skip
+
+    def end(self) -> None:
+        for process in self.processes:
+            if process.poll() is None:
+                process.kill()
+            process.wait()
 
 
-def _watch(ranks: list[subprocess.Popen], work: Path, start: int) -> None:
+def _watch(ranks: list[subprocess.Popen], work: Path, number: int) -> None:
     """Return when the ranks ended, or made no progress for too long: STARTUP until all
-    started, STALL once they run, and once one died only the time the others need to time
-    out of the variant it died in (they cannot start the next one without it)."""
+    started, STALL once they run, DYING once one died (the others save what they saw of
+    the variant it died in, and cannot start the next one without it)."""
     seen, since = -1, time.monotonic()
     while any(r.poll() is None for r in ranks):
-        ready = len(list(work.glob(f"ready{start}.*")))
+        ready = len(list(work.glob(f"ready{number}.*")))
         files = len(list(work.glob("*.pt"))) + ready
         seen, since = (files, time.monotonic()) if files != seen else (seen, since)
-        died = any(r.poll() not in (None, 0) for r in ranks)
-        limit = GLOO_TIMEOUT + 4 if died else STALL if ready == len(ranks) else STARTUP
+        died = any(r.poll() not in (None, 0) for r in ranks)  # the others cannot go on
+        limit = DYING if died else STALL if ready == len(ranks) else STARTUP
         if time.monotonic() - since > limit:
             return
         time.sleep(0.1)
@@ -181,16 +210,20 @@ def _read(start: int, count: int, world: int, work: Path) -> list[Outcome]:
     return outcomes
 
 
-def _rank(world: int, port: int, work: Path, start: int, rank: int) -> None:
-    """One rank on gloo: every variant from ``start``, each in a fresh default group."""
+def _rank(world: int, port: int, work: Path, number: int, rank: int) -> None:
+    """One rank of set ``number`` on gloo: once told where to start, every variant from
+    there, each in a fresh default group."""
     sys.path.insert(0, str(TABLE))
     import variants
 
     store = dist.TCPStore("127.0.0.1", port, world + 1, False, timedelta(seconds=60))
-    (work / f"ready{start}.{rank}").touch()
-    for i in range(start, len(variants.VARIANTS)):
+    (work / f"ready{number}.{rank}").touch()
+    while not store.check(["start"]):  # a standby set waits until the set before it died
+        time.sleep(0.02)
+    for i in range(int(store.get("start")), len(variants.VARIANTS)):
         _barrier(store, f"start{i}", world)  # a rank still waiting in the last variant is late
         _init(store, f"v{i}", rank, world)
+        (work / f"{i}.{rank}.began").touch()
         try:
             result: Any = tuple(variants.VARIANTS[i].call(world, rank))
         except Exception as err:  # gloo's refusal, whatever its type: recorded, not raised
