@@ -126,6 +126,7 @@ def on_gloo(count: int, world: int, work: Path) -> list[Outcome]:
             began = list(work.glob(f"{len(outcomes)}.*.began"))
             if len(outcomes) < count and (began or idle > 1):
                 outcomes.append(Outcome(f"gloo ended the ranks: {ended or 'they hung'}"))
+                idle = 0
     finally:
         for ranks in sets:
             ranks.end()
