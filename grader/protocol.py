@@ -11,9 +11,11 @@ Rank to broker::
 
     hello      {rank}                                  once, after connecting
     importing  {module} / imported {module}            around the submission's import
-    send       {op, peer, group, tag, dtype, numel, at} + payload
-    recv       {op, peer, group, tag, dtype, numel, at}
-    collective {op, name, group, inputs, outputs, root?, reduce_op?, at} + payloads
+    send       {op, peer, group, tag, dtype, numel, shape?, strides?, at} + payload
+    recv       {op, peer, group, tag, dtype, numel, shape?, strides?, at}
+    collective {op, name, group, inputs, outputs, root?, reduce_op?, form?, whole?, at}
+                                                       + payloads (a tensor described as
+                                                       {dtype, numel, shape?, strides?})
     wait       {op, block}                             hand op's outcome over (block: the rank
                                                        waits for it; else a test or a future)
     result     {call, value, rebound}                  + tensors: the call returned
@@ -47,9 +49,10 @@ types, which only the relay may send.
 
 from __future__ import annotations
 
+import math
 import re
 import signal
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -145,17 +148,38 @@ def field_ranks(header: dict[str, Any], world_size: int) -> tuple[int, ...]:
 
 @dataclass(frozen=True)
 class TensorMeta:
+    """A tensor as a rank describes it: its dtype and size, which its payload must match, and
+    the shape and strides of the student's tensor, which only the broker's refusals read
+    (:mod:`grader.broker.rules`: gloo refuses some shapes and views). Two descriptions are
+    equal when their dtypes and sizes are: the bytes carried are the same."""
+
     dtype: str
     numel: int
+    shape: tuple[int, ...] | None = field(default=None, compare=False)  # None: not reported
+    strides: tuple[int, ...] | None = field(default=None, compare=False)
 
     @classmethod
     def read(cls, raw: Any) -> TensorMeta:
         if not isinstance(raw, dict) or not isinstance(raw.get("dtype"), str):
             raise ProtocolError("tensor description malformed")
-        return cls(clean(raw["dtype"], 20), field_int(raw, "numel", 0))
+        numel = field_int(raw, "numel", 0)
+        shape, strides = _dims(raw, "shape", 0), _dims(raw, "strides", -(1 << 62))
+        if shape is not None and (math.prod(shape) != numel or len(strides or ()) != len(shape)):
+            raise ProtocolError("a tensor's shape and strides do not match its size")
+        return cls(clean(raw["dtype"], 20), numel, shape, strides)
 
     def __str__(self) -> str:
         return f"{self.dtype}[{self.numel}]"
+
+
+def _dims(raw: dict[str, Any], name: str, low: int) -> tuple[int, ...] | None:
+    """A tensor's shape or strides as reported (None if not), each an integer from ``low``."""
+    dims = raw.get(name)
+    if dims is None:
+        return None
+    if not isinstance(dims, list) or len(dims) > 16:
+        raise ProtocolError(f"a tensor's {name} must be a list of at most 16 integers")
+    return tuple(field_int({name: d}, name, low) for d in dims)
 
 
 @dataclass(frozen=True)

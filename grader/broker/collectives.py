@@ -13,6 +13,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from grader.broker import rules
+
 if TYPE_CHECKING:
     from grader.broker.ops import Op
 
@@ -22,7 +24,13 @@ REDUCTIONS: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
     "product": torch.mul,
     "max": torch.maximum,
     "min": torch.minimum,
+    "band": torch.bitwise_and,
+    "bor": torch.bitwise_or,
+    "bxor": torch.bitwise_xor,
 }
+#: The collectives with a root, and how a message names it: a broadcast or a scatter starts at
+#: it, a reduce or a gather ends there.
+ROOTED = {"broadcast": "from", "scatter": "from", "reduce": "to", "gather": "to"}
 
 
 def reduce(tensors: list[torch.Tensor], op: str) -> torch.Tensor:
@@ -46,6 +54,13 @@ def compute(
         return [list(reduced) for _ in range(p)]
     if name == "broadcast":
         return [list(inputs[root]) for _ in range(p)]
+    if name == "reduce":  # the others' tensors are left as they were
+        reduced = [reduce([inputs[r][i] for r in range(p)], op) for i in range(len(inputs[0]))]
+        return [reduced if s == root else list(inputs[s]) for s in range(p)]
+    if name == "gather":
+        return [[inputs[r][0] for r in range(p)] if s == root else [] for s in range(p)]
+    if name == "scatter":
+        return [[inputs[root][s]] for s in range(p)]
     if name == "all_gather":
         return [[inputs[r][0] for r in range(p)] for _ in range(p)]
     if name == "reduce_scatter":
@@ -64,11 +79,17 @@ def run(members: list[Op]) -> list[list[torch.Tensor]]:
     from grader.broker.ops import describe_collective, tensor_of
 
     first = members[0]
+    for op in members:
+        refused = rules.refusal(op.kind, op.collective, len(members))
+        if refused is not None:
+            raise CollectiveError(f"rank {op.rank}: {refused} (at {op.at or '?'})")
 
     def signature(op: Op) -> tuple:
         call = op.collective  # an all-to-all's pieces may differ in size from rank to rank
+        # and only a scatter's root has inputs
         return (op.kind, call.root, call.reduce_op,
-                len(call.inputs) if op.kind == "all_to_all" else call.inputs)  # fmt: skip
+                len(call.inputs) if op.kind == "all_to_all" else
+                call.outputs if op.kind == "scatter" else call.inputs)  # fmt: skip
 
     for op in members[1:]:
         if signature(op) != signature(first):
@@ -79,8 +100,8 @@ def run(members: list[Op]) -> list[list[torch.Tensor]]:
     if first.kind == "all_to_all":
         _check_splits(members)
     root = first.collective.root
-    if first.kind == "broadcast" and not 0 <= root < len(first.group):
-        raise CollectiveError(f"broadcast from rank {root}, outside the group")
+    if first.kind in ROOTED and not 0 <= root < len(first.group):
+        raise CollectiveError(f"{first.kind} {ROOTED[first.kind]} rank {root}, outside the group")
     try:
         inputs = [
             [tensor_of(m, buf) for m, buf in zip(op.collective.inputs, op.payload, strict=True)]

@@ -90,10 +90,12 @@ class Gate:
 class CollectiveCall:
     """What a rank says of its part in a collective, decoded and checked by the broker."""
 
-    root: int  # a group rank: where a broadcast starts (0 for the others)
+    root: int  # a group rank: where a broadcast or a scatter starts, a reduce or a gather ends
     reduce_op: str
     inputs: tuple[TensorMeta, ...]
     outputs: tuple[TensorMeta, ...]
+    form: str = ""  # the student's call where it is not the collective's name
+    whole: TensorMeta | None = None  # the one tensor that form cut into inputs or outputs
 
     @classmethod
     def read(cls, header: dict[str, Any]) -> CollectiveCall:
@@ -106,6 +108,8 @@ class CollectiveCall:
             clean(header.get("reduce_op", "sum"), 20),
             tuple(TensorMeta.read(m) for m in inputs),
             tuple(TensorMeta.read(m) for m in outputs),
+            clean(header.get("form", ""), 40),
+            TensorMeta.read(header["whole"]) if "whole" in header else None,
         )
 
 

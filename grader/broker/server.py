@@ -13,6 +13,7 @@ faults exactly and at once, with no timeout:
 - a send and its receive that disagree on size or dtype;
 - a message to a rank outside the group;
 - a collective where the part forbids them, or one the ranks disagree on;
+- a collective whose arguments gloo refuses (:mod:`grader.broker.rules`);
 - a message sent and never received, or a request never waited, at the end of a call;
 - a rank that costs the trusted side more than :class:`~grader.broker.ops.Limits` allows.
 

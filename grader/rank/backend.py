@@ -112,6 +112,24 @@ class BrokerGroup(dist.ProcessGroup):
     def allreduce(self, tensors: list[torch.Tensor], opts: Any) -> BrokerWork:
         return self._collective("all_reduce", tensors, tensors, reduce_op=_op_name(opts))
 
+    def reduce(self, tensors: list[torch.Tensor], opts: Any) -> BrokerWork:
+        op = _op_name(opts)
+        return self._collective("reduce", tensors, tensors, root=opts.rootRank, reduce_op=op)
+
+    def gather(
+        self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any
+    ) -> BrokerWork:
+        """The root's ``outputs`` hold one list of ``p`` tensors, the other ranks' none."""
+        flat = [t for out in outputs for t in out]
+        return self._collective("gather", inputs, flat, root=opts.rootRank)
+
+    def scatter(
+        self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]], opts: Any
+    ) -> BrokerWork:
+        """The root's ``inputs`` hold one list of ``p`` tensors, the other ranks' none."""
+        flat = [t for per_rank in inputs for t in per_rank]
+        return self._collective("scatter", flat, outputs, root=opts.rootRank)
+
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any) -> BrokerWork:
         return self._collective("all_reduce", tensors, tensors, reduce_op=_op_name(opts))
 
@@ -132,8 +150,9 @@ class BrokerGroup(dist.ProcessGroup):
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any) -> BrokerWork:
         """``all_gather_into_tensor`` (``all_gather_single`` in torch 2.13): rank r's input
         lands in the r-th of ``p`` equal, consecutive pieces of ``output``."""
-        pieces = _pieces(output, input.numel(), self.size(), "output", "input")
-        return self._collective("all_gather", [input], pieces)
+        pieces = _pieces(output, input.numel(), self.size(), "output")
+        form = "all_gather_into_tensor"
+        return self._collective("all_gather", [input], pieces, form=form, whole=_meta(output))
 
     _allgather_base = all_gather_single  # the name before torch 2.13
 
@@ -142,8 +161,11 @@ class BrokerGroup(dist.ProcessGroup):
     ) -> BrokerWork:
         """``reduce_scatter_tensor``: the r-th of ``p`` equal pieces of ``input``, reduced over
         the ranks, lands in rank r's ``output``."""
-        pieces = _pieces(input, output.numel(), self.size(), "input", "output")
-        return self._collective("reduce_scatter", pieces, [output], reduce_op=_op_name(opts))
+        pieces = _pieces(input, output.numel(), self.size(), "input")
+        return self._collective(
+            "reduce_scatter", pieces, [output], reduce_op=_op_name(opts),
+            form="reduce_scatter_tensor", whole=_meta(input),
+        )  # fmt: skip
 
     _reduce_scatter_base = reduce_scatter_single
 
@@ -159,7 +181,8 @@ class BrokerGroup(dist.ProcessGroup):
         ``output``'s ``output_splits[j]`` rows (equal splits of the first dimension if empty)."""
         pieces = _split(input, input_splits, self.size(), "input")
         outputs = _split(output, output_splits, self.size(), "output")
-        return self._collective("all_to_all", pieces, outputs)
+        form = "all_to_all_single"
+        return self._collective("all_to_all", pieces, outputs, form=form, whole=_meta(input))
 
     alltoall_base = all_to_all_single  # the name before torch 2.13
 
@@ -233,7 +256,14 @@ def _check_contiguous(tensor: torch.Tensor, what: str) -> None:
 
 
 def _meta(tensor: torch.Tensor) -> dict[str, Any]:
-    return {"dtype": str(tensor.dtype).removeprefix("torch."), "numel": tensor.numel()}
+    """The tensor as the broker needs it: dtype and size, and for its refusals (gloo refuses
+    some shapes and views) the shape and strides of the student's tensor."""
+    return {
+        "dtype": str(tensor.dtype).removeprefix("torch."),
+        "numel": tensor.numel(),
+        "shape": list(tensor.shape),
+        "strides": list(tensor.stride()),
+    }
 
 
 def _fill(tensor: torch.Tensor, buffer: bytearray | memoryview) -> None:
@@ -267,18 +297,15 @@ def _split(tensor: torch.Tensor, sizes: list[int], parts: int, what: str) -> lis
     return list(tensor.split(list(sizes)))
 
 
-def _pieces(
-    whole: torch.Tensor, size: int, parts: int, whole_name: str, part_name: str
-) -> list[torch.Tensor]:
+def _pieces(whole: torch.Tensor, size: int, parts: int, whole_name: str) -> list[torch.Tensor]:
     """``whole`` as ``parts`` consecutive flat views of ``size`` elements each: written into,
-    they write into ``whole``. gloo and NCCL refuse the same mismatches."""
+    they write into ``whole``. If ``whole`` does not hold ``parts`` times ``size``
+    elements (none then): the broker refuses that call, naming the shape gloo wants
+    (:mod:`grader.broker.rules`)."""
     if whole.numel() != size * parts:
-        raise ValueError(
-            f"the {whole_name} tensor has {whole.numel()} elements, but it must have the group "
-            f"size ({parts}) times the {part_name}'s {size}"
-        )
+        return []
     if not whole.is_contiguous():
-        raise ValueError(f"the {whole_name} tensor must be contiguous")
+        raise ValueError(f"the {whole_name} tensor must be contiguous (NCCL refuses it too)")
     return list(whole.view(-1).split(size)) if size else [whole.view(-1)] * parts
 
 
