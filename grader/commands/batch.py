@@ -32,6 +32,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -43,7 +44,7 @@ from grader.protocol import clean
 GRADEBOOK, FAILURES, SETTINGS = "gradebook.csv", "failures.txt", "batch.json"
 RESULTS, PARTIAL, LOG = "results.json", ".results.partial.json", "grader.log"
 RANKS_PER_RUN = 4  # the largest world size a grader run launches
-GRACE_SECONDS = 15  # how long a stopped grader gets to end its own jobs before SIGKILL
+GRACE_SECONDS = 3  # how long a stopped grader gets to end its own jobs before SIGKILL
 EXIT_COMPLETE, EXIT_INCOMPLETE, EXIT_INTERRUPTED = 0, 1, 130
 
 
@@ -158,13 +159,19 @@ def run_batch(batch: Batch) -> int:
         print(f"{shown(skipped)}: already graded, skipped", flush=True)
     failures: dict[str, str] = {}
     interrupted = False
+
+    def books() -> None:  # after each student: an interrupted batch leaves a usable gradebook
+        rows = [_row(batch.out, s, batch.parts) for s in names]
+        _write_csv(batch.out / GRADEBOOK, batch.parts, rows)
+        _write_text(
+            batch.out / FAILURES, "".join(f"{shown(s)}: {why}\n" for s, why in failures.items())
+        )
+
     try:
-        _grade(batch, todo, failures)
+        _grade(batch, todo, failures, books)
     except KeyboardInterrupt:
         interrupted = True
-    _write_csv(batch.out / GRADEBOOK, batch.parts, [_row(batch.out, s, batch.parts) for s in names])
-    said = "".join(f"{shown(s)}: {why}\n" for s, why in failures.items())
-    _write_text(batch.out / FAILURES, said)
+    books()
     missing = [s for s in names if complete_results(folder_of(batch.out, s) / RESULTS) is None]
     print(
         f"gradebook: {batch.out / GRADEBOOK} ({len(names) - len(missing)} of {len(names)} graded)"
@@ -192,13 +199,18 @@ def _check_settings(batch: Batch) -> None:
         _write_text(path, json.dumps(settings, indent=2) + "\n")
 
 
-def _grade(batch: Batch, todo: list[str], failures: dict[str, str]) -> None:
+def _grade(
+    batch: Batch, todo: list[str], failures: dict[str, str], after_each: Callable[[], None]
+) -> None:
     """Keep ``jobs`` gradings running until none is left; stop them all if interrupted.
 
     One event queue: a thread per grading waits for its process and puts it there when it
     ends; between ends the loop sleeps until the oldest grading's deadline, and stops it then.
+    Each student's end is told on a line of its own: "[k/N]", and the time left at the pace
+    so far.
     """
     pending, running = list(todo), list[_Running]()
+    progress = _Progress(len(todo), time.monotonic())
     ended: queue.Queue[_Running] = queue.Queue()
     try:
         while pending or running:
@@ -216,13 +228,30 @@ def _grade(batch: Batch, todo: list[str], failures: dict[str, str]) -> None:
             running.remove(run)
             status = _stop([run.process])[0] if timed_out else run.process.wait()
             orphans.end()  # what a grader stopped by SIGKILL left, handed to the batch
-            why = _finish(batch, run, status, timed_out)
+            why = _finish(batch, run, status, timed_out, progress.step())
             if why is not None:
                 failures[run.student] = why
                 log = shown(str(folder_of(batch.out, run.student) / LOG))
                 print(f"grader batch: {shown(run.student)}: {why}; see {log}", file=sys.stderr)
+            after_each()
     finally:
         _stop([run.process for run in running])
+
+
+@dataclass
+class _Progress:
+    """How far a batch is: "[k/N]" and, at the pace so far, the time left."""
+
+    total: int
+    began: float
+    done: int = 0
+
+    def step(self) -> str:
+        self.done += 1
+        spent = time.monotonic() - self.began
+        left = spent / self.done * (self.total - self.done)
+        eta = f", about {left / 60:.0f} min left" if self.done < self.total else ""
+        return f"[{self.done}/{self.total}{eta}]"
 
 
 def _report_end(run: _Running, ended: queue.Queue[_Running]) -> None:
@@ -259,7 +288,9 @@ def _start(batch: Batch, student: str) -> _Running:
     return _Running(student, process, time.monotonic())
 
 
-def _finish(batch: Batch, run: _Running, status: int, timed_out: bool) -> str | None:
+def _finish(
+    batch: Batch, run: _Running, status: int, timed_out: bool, step: str = ""
+) -> str | None:
     """Promote a finished run's results atomically; why the student has no row, or None."""
     folder = folder_of(batch.out, run.student)
     partial, seconds = folder / PARTIAL, time.monotonic() - run.started
@@ -276,7 +307,7 @@ def _finish(batch: Batch, run: _Running, status: int, timed_out: bool) -> str | 
     os.replace(partial, folder / RESULTS)
     maximum = sum(t.get("max_score", 0) for t in results["tests"])
     points = f"{results['score']:g} / {maximum:g} points ({seconds:.0f} s)"
-    print(f"{shown(run.student)}: {points}", flush=True)
+    print(f"{step} {shown(run.student)}: {points}".lstrip(), flush=True)
     return None
 
 

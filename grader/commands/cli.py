@@ -356,6 +356,7 @@ def _batch(args: argparse.Namespace, config: GradingConfig, parts: list[str]) ->
     select(collected, args.keyword, args.world_sizes)
     run_args = [*args.parts, *(["-k", args.keyword] if args.keyword else [])]
     run_args += [f"--world-size={n}" for n in args.world_sizes or []]
+    run_args += [f"--sandbox={args.sandbox}"] if args.sandbox != "auto" else []
     grader_args = ["--config", str(config.path.resolve())]  # every student graded by this course
     batch = batching.Batch(
         args.submissions,

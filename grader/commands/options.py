@@ -23,6 +23,15 @@ def _add_world_sizes(parser: argparse.ArgumentParser, help: str) -> None:
     )
 
 
+def _add_sandbox(command: argparse.ArgumentParser) -> None:
+    command.add_argument(
+        "--sandbox",
+        choices=("auto", "namespaces", "uid", "none"),
+        default="auto",
+        help="how the student's code is isolated (default: the strongest this machine allows)",
+    )
+
+
 def parser() -> argparse.ArgumentParser:
     parser = _ArgumentParser(
         prog="grader",
@@ -55,12 +64,7 @@ def parser() -> argparse.ArgumentParser:
         help="where the ranks keep their tensors: nccl = each rank's GPU, gloo = the CPU, "
         "auto = a GPU when there is one (messages always pass through the grader's broker)",
     )
-    run.add_argument(
-        "--sandbox",
-        choices=("auto", "namespaces", "uid", "none"),
-        default="auto",
-        help="how the student's code is isolated (default: the strongest this machine allows)",
-    )
+    _add_sandbox(run)
     run.add_argument(
         "-k",
         dest="keyword",
@@ -112,10 +116,7 @@ def parser() -> argparse.ArgumentParser:
     doctor = commands.add_parser(
         "doctor", help="the sandbox levels this machine offers, and what fixes the others"
     )
-    doctor.add_argument(
-        "--sandbox", choices=["auto", "namespaces", "uid", "none"], default="auto",
-        help="the level to try (default: every one)",
-    )  # fmt: skip
+    _add_sandbox(doctor)
     listing = commands.add_parser(
         "list", help="list the parts, their tests, points and Gradescope visibility"
     )
@@ -146,6 +147,7 @@ def parser() -> argparse.ArgumentParser:
         help="one student's limit (default 1800)",
     )
     batch.add_argument("-k", dest="keyword", metavar="TEXT", help="passed to each grader run")
+    _add_sandbox(batch)
     _add_world_sizes(batch, "passed to each grader run")
     batch.add_argument(
         "--merge", nargs="+", metavar="DIR", type=Path, help="join shards' OUT folders into --out"

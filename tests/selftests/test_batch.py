@@ -8,6 +8,7 @@ alice submits the reference, bob the untouched stub, carol a module with a synta
 from __future__ import annotations
 
 import csv
+import json
 import os
 import shutil
 import signal
@@ -70,6 +71,7 @@ def copy_of(graded: Path, to: Path, students: tuple[str, ...] = ("alice", "bob",
 
 def test_every_student_gets_a_row_and_a_folder(graded: Path):
     assert gradebook(graded) == EXPECTED
+    assert (graded / "batch.json").is_file()
     for student in ("alice", "bob", "carol"):
         assert (graded / student / "results.json").is_file()
         assert "Grading" in (graded / student / "grader.log").read_text()
@@ -160,6 +162,8 @@ def test_a_student_that_hangs_costs_only_its_own_row(
     assert done.returncode == 1, done.stdout + done.stderr
     assert "alice: already graded, skipped" in done.stdout
     assert done.stderr.startswith("grader batch: dora: stopped after"), done.stderr
+    stopped_after = int(done.stderr.split("stopped after ")[1].split(" s")[0])
+    assert stopped_after <= 4 + 3 + 1  # the limit, honoured within the grader's grace
     assert len(done.stderr.splitlines()) == 1
     assert gradebook(out) == [EXPECTED[0], EXPECTED[1], ["dora", "", ""]]
     assert (out / "failures.txt").read_text().startswith("dora: stopped after")
@@ -293,3 +297,23 @@ def test_the_sbatch_recipe_grades_like_one_machine(
     merged = batch("--merge", *sorted(out.glob("shard-*")), "--out", out / "all")
     assert merged.returncode == 0, merged.stdout + merged.stderr
     assert gradebook(out / "all") == gradebook(graded)
+
+
+def test_each_student_is_told_with_the_progress_and_the_level_passes_through(
+    submissions: Path, tmp_path: Path
+):
+    """One line a student, "[k/N]" and the time left; --sandbox reaches every run; the
+    gradebook is there after each student (an interrupted batch leaves one)."""
+    from grader import sandbox
+
+    level = sandbox.detect().value
+    out = tmp_path / "out"
+    done = batch(submissions, "--out", out, "--sandbox", level, *SELECTION)
+    assert done.returncode == 0, done.stdout + done.stderr
+    told = [line for line in done.stdout.splitlines() if line.startswith("[")]
+    assert len(told) == 3 and told[-1].startswith("[3/3] carol: 0 / 2 points"), told
+    assert told[0].startswith("[1/3, about ") and " min left] alice: 2 / 2" in told[0], told
+    for student in ("alice", "bob"):
+        results = json.loads((out / student / "results.json").read_text())
+        assert results["extra_data"]["sandbox"] == level
+    assert gradebook(out) == EXPECTED
