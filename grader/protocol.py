@@ -9,7 +9,8 @@ terminal or results.json.
 
 Rank to broker::
 
-    hello      {rank}                                  once, after connecting
+    hello      {rank}                                  once, when it serves: the rank is up
+    segment    {}                                      it mapped the segment it was given
     importing  {module} / imported {module}            around the submission's import
     send       {op, peer, group, tag, dtype, numel, shape?, strides?, at} + payload
     recv       {op, peer, group, tag, dtype, numel, shape?, strides?, at}
@@ -26,7 +27,9 @@ Rank to broker::
 
 Broker to rank::
 
-    call       {call, function | scenario, args}       + tensors
+    segment    {}                                      + its shared memory's descriptor
+    call       {call, function | scenario, args,       + tensors
+                world_size, fresh}                     (fresh: a test's first call)
     done       {op}                                    + payloads (a receive's, a collective's)
     refused    {op, message}
     dump_stack {}
@@ -36,8 +39,10 @@ whoever connects to the head proves that it knows the course's secret::
 
     challenge {nonce}                                  head to whoever connects
     join      {role, node | job and rank, proof}      the answer: a node, or a rank's relay
+    accept    {proof}                                  head to it: the head's own proof
     run       {world_size, level, memory, device}      + the staged submission: head to node
     job       {id, per_node}                           head to node: start your ranks of it
+    ready     {level}                                  node to head: it took the run, at level
     finish    {}                                       head to node: grading is over
     refuse    {message}                                node to head: it cannot take part
     exited    {status, last_words}                     relay to broker: its rank's process ended
@@ -64,7 +69,6 @@ TIMEOUT = "timeout"
 CRASHED = "crashed"
 FORBIDDEN = "forbidden"
 NOT_RUN = "not_run"
-OUTCOMES = (PASSED, FAILED, ERROR, TIMEOUT, CRASHED, FORBIDDEN, NOT_RUN)
 
 # Frame types, rank to broker.
 HELLO = "hello"

@@ -18,7 +18,7 @@ import pytest
 
 from grader import failures, protocol
 from grader.course.catalog import GradedTest
-from grader.course.options import TestOptions
+from grader.course.options import OptionError, TestOptions
 from grader.judge.verdict import Schedule, Verdict
 from grader.launch.world import CallLimits, RankPool, World
 from grader.testkit.compare import WrongResult
@@ -139,9 +139,13 @@ class GradingPlugin:
     ) -> Verdict:
         err = call.excinfo.value if call.excinfo is not None else None
         record = self._running.record if self._running else TestRecord()
-        if isinstance(err, failures.GraderFailure):
-            self.grader_failure = str(err)
-            return Verdict(protocol.ERROR, protocol.clean(str(err)))
+        if isinstance(err, failures.GraderFailure | OptionError):  # never the student's doing
+            self.grader_failure = (
+                str(err)
+                if isinstance(err, failures.GraderFailure)
+                else (f"the course's configuration: {err}")
+            )
+            return Verdict(protocol.ERROR, protocol.clean(self.grader_failure))
         if isinstance(err, failures.RankFailure):
             return Verdict(err.outcome, protocol.clean(str(err)), case=protocol.clean(err.case))
         if isinstance(err, PartialCredit):

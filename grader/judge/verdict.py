@@ -21,24 +21,13 @@ class Pass(enum.Enum):
 
 
 class Cell(NamedTuple):
-    """One step of a stage's timeline: a pass of one microbatch, written ``F3`` or ``B1``
-    (the scenario's recorder writes it so on the rank; :meth:`parse` reads it back)."""
+    """One step of a stage's timeline: a pass of one microbatch, written ``F3`` or ``B1``."""
 
     kind: Pass
     microbatch: int
 
     def __str__(self) -> str:
         return f"{self.kind.value}{self.microbatch}"
-
-    @classmethod
-    def parse(cls, text: object) -> Cell | None:
-        """The cell ``text`` writes, or None where it is not one (a rank's word: anything)."""
-        if not isinstance(text, str) or not 2 <= len(text) <= 7:
-            return None
-        kind, number = text[0], text[1:]
-        if kind not in "FB" or not (number.isascii() and number.isdigit()):
-            return None
-        return cls(Pass(kind), int(number))
 
     @property
     def forward(self) -> bool:

@@ -264,3 +264,18 @@ def test_two_copies_of_the_work_are_ambiguous(tmp_path: Path):
         (tmp_path / copy / "collectives.py").write_text("")
     with pytest.raises(SubmissionError, match="more than one folder"):
         find_modules(tmp_path)
+
+
+def test_an_option_the_course_left_out_is_the_graders_failure_not_the_students(course: Path):
+    """A graded test that needs an option grading.yaml does not give ends the run (exit 2, the
+    option named): it is the course's mistake, never charged to the submission as an error."""
+    from runner import run_grader
+
+    edit(course, "          communication_elements: 49152", "          # no elements")
+    done = run_grader(
+        ["--config", str(course), "run", "collectives", "-k", "communication[all_reduce]",
+         "--world-size", "2", "--submission", str(REPO / "reference")]
+    )  # fmt: skip
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "the course's configuration: grading.yaml gives this test no" in done.stderr
+    assert "'communication_elements'" in done.stderr
