@@ -9,6 +9,8 @@ so it speaks only of the visible tests: a count of the hidden ones would tell.
 
 from __future__ import annotations
 
+import base64
+import html
 import json
 import os
 import tempfile
@@ -28,6 +30,7 @@ class GradedResult:
     test: GradedTest
     verdict: Verdict
     score: float
+    picture: Path | None = None  # a PNG that shows the failure (a schedule, a ring)
 
     @property
     def max_score(self) -> float:
@@ -95,7 +98,7 @@ def _test_entry(number: int, result: GradedResult) -> dict[str, Any]:
         "score": round(result.score, 4),
         "max_score": test.settings.points,
         "status": "passed" if verdict.passed else "failed",
-        "output": verdict.message or "passed",
+        **_output(verdict.message or "passed", result.picture),
         "visibility": test.settings.visibility,
         "tags": [test.part, test.kind],
         "extra_data": {
@@ -109,6 +112,20 @@ def _test_entry(number: int, result: GradedResult) -> dict[str, Any]:
             "seconds": round(verdict.seconds, 3),
             **({"fraction": round(verdict.fraction, 4)} if verdict.fraction is not None else {}),
         },
+    }
+
+
+def _output(message: str, picture: Path | None) -> dict[str, str]:
+    """A test's ``output``: text, or where a picture shows the failure, Gradescope's HTML
+    with the picture embedded (it shows no image that is a file beside results.json)."""
+    if picture is None or not picture.is_file():
+        return {"output": message, "output_format": "text"}
+    image = base64.b64encode(picture.read_bytes()).decode("ascii")
+    alt = html.escape(picture.name, quote=True)
+    return {
+        "output": f"<pre>{html.escape(message)}</pre>\n"
+        f'<img alt="{alt}" style="max-width: 100%" src="data:image/png;base64,{image}">',
+        "output_format": "html",
     }
 
 

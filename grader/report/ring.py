@@ -112,5 +112,7 @@ def draw_failed_rings(results: list[GradedResult], directory: Path) -> list[Grad
         path = directory / f"ring-{test.part}-{name}-ws{test.world_size}.png"
         write_png(ring, path, title=test.title)
         message = result.verdict.message + f" (the ring's steps drawn in {path.name})"
-        drawn.append(replace(result, verdict=replace(result.verdict, message=message)))
+        drawn.append(
+            replace(result, verdict=replace(result.verdict, message=message), picture=path)
+        )
     return drawn

@@ -189,5 +189,6 @@ def draw_failed_schedules(results: list[GradedResult], directory: Path) -> list[
         timing = result.verdict.details.get("stage_timing")
         write_png(*drawn, path, title=result.test.title, timing=timing)
         message = result.verdict.message + f" (schedules drawn in {path.name})"
-        drawn_results.append(replace(result, verdict=replace(result.verdict, message=message)))
+        verdict = replace(result.verdict, message=message)
+        drawn_results.append(replace(result, verdict=verdict, picture=path))
     return drawn_results

@@ -7,6 +7,9 @@ passes leaves no stale PNG behind.
 
 from __future__ import annotations
 
+import base64
+import re
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -15,7 +18,7 @@ from grader import protocol
 from grader.course.catalog import GradedTest
 from grader.course.config import TestSettings
 from grader.judge.verdict import Schedule, Verdict, backward, forward
-from grader.report.results import GradedResult
+from grader.report.results import GradedResult, to_gradescope
 from grader.report.timeline import draw_failed_schedules, png_path
 from grader.testkit import Event, Traffic, stage_timing
 
@@ -88,3 +91,19 @@ def test_a_failed_schedule_is_drawn_in_time_and_a_passing_one_leaves_no_png(tmp_
     assert path.exists() and path.name in drawn.verdict.message
     draw_failed_schedules([result(True, details)], tmp_path)  # fixed since: the PNG goes
     assert not path.exists()
+
+
+def test_on_gradescope_the_picture_is_in_the_tests_html(tmp_path: Path):
+    """Gradescope shows no image that is a file beside results.json: a test with a picture
+    has HTML output with the PNG embedded, the message escaped; the others stay text."""
+    pytest.importorskip("matplotlib")
+    failed = result(False, {"stage_timing": stage_timing(gpipe_two_stages())})
+    failed = replace(failed, verdict=replace(failed.verdict, message="expected <F0> & more"))
+    (drawn,) = draw_failed_schedules([failed], tmp_path)
+    document = to_gradescope([drawn, result(True, {})], 1.0, "summary")
+    pictured, plain = document["tests"]
+    assert pictured["output_format"] == "html" and plain["output_format"] == "text"
+    assert pictured["output"].startswith("<pre>expected &lt;F0&gt; &amp; more")
+    found = re.search(r'src="data:image/png;base64,([A-Za-z0-9+/=]+)"', pictured["output"])
+    assert found is not None
+    assert base64.b64decode(found.group(1)) == png_path(failed, tmp_path).read_bytes()
