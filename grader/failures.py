@@ -13,23 +13,57 @@ from enum import Enum
 from grader import protocol
 
 
+class Cause(str, Enum):
+    """What a failure is, for machines (results.json's ``extra_data.cause``, the class
+    report): a closed vocabulary, set where the failure is raised, beside the message for
+    people. The broker's faults (:class:`Fault`) are causes of their own name."""
+
+    NOT_SUBMITTED = "not_submitted"  # no module for the part
+    SYNTAX_ERROR = "syntax_error"  # the module does not compile
+    NOT_IMPLEMENTED = "not_implemented"  # the stub still raises NotImplementedError
+    RAISED = "raised"  # the student's code raised
+    REFUSED = "refused"  # the sandbox refused a system call (a socket, a process, a lock)
+    FORBIDDEN = "forbidden"  # a built-in collective where the part forbids them
+    PROTOCOL = "protocol"
+    LIMIT = "limit"
+    MISMATCH = "mismatch"
+    BAD_PEER = "bad_peer"
+    DISAGREEMENT = "disagreement"
+    DEADLOCK = "deadlock"
+    UNRECEIVED = "unreceived"
+    UNWAITED = "unwaited"
+    TIMED_OUT = "timed_out"  # a rank never returned
+    CRASHED = "crashed"  # a rank's process died
+    WRONG_RESULT = "wrong_result"  # a value, shape or dtype the trusted side did not expect
+    CHECK = "check"  # a graded test's own check of what the call did
+    COST = "cost"  # partial credit: more bytes, rounds or time than the reference's
+    SKIPPED = "skipped"  # a test that skipped itself earns nothing
+    NOT_RUN = "not_run"  # interrupted, or the run stopped early
+    GRADER = "grader"  # the grader's own machinery or the course's configuration
+
+
 class RankFailure(Exception):
-    """The submission failed a call; ``outcome`` is the test's outcome, the text its message,
-    ``case`` the input case the call ran on (its message names it: " (case: ...)")."""
+    """The submission failed a call; ``outcome`` is the test's outcome, ``cause`` what it is
+    (:class:`Cause`), the text its message, ``case`` the input case the call ran on (its
+    message names it: " (case: ...)")."""
 
     outcome = protocol.ERROR
+    cause = Cause.RAISED
 
-    def __init__(self, message: str = "", case: str = "") -> None:
+    def __init__(self, message: str = "", case: str = "", cause: Cause | None = None) -> None:
         super().__init__(message)
         self.case = case
+        if cause is not None:
+            self.cause = cause
 
     def with_hint(self, hint: str) -> RankFailure:
         """The same failure, with what the test knows of its cause after the message."""
-        return type(self)(f"{self} ({hint})", self.case)
+        return type(self)(f"{self} ({hint})", self.case, self.cause)
 
 
 class NotImplementedYet(RankFailure):
     outcome = protocol.FAILED
+    cause = Cause.NOT_IMPLEMENTED
 
 
 class StudentError(RankFailure):
@@ -38,18 +72,22 @@ class StudentError(RankFailure):
 
 class ForbiddenCall(RankFailure):
     outcome = protocol.FORBIDDEN
+    cause = Cause.FORBIDDEN
 
 
 class Deadlock(RankFailure):
     outcome = protocol.TIMEOUT
+    cause = Cause.DEADLOCK
 
 
 class TimedOut(RankFailure):
     outcome = protocol.TIMEOUT
+    cause = Cause.TIMED_OUT
 
 
 class Crashed(RankFailure):
     outcome = protocol.CRASHED
+    cause = Cause.CRASHED
 
 
 class CommunicationError(RankFailure):
@@ -79,6 +117,10 @@ class Fault(str, Enum):
         """The failure (and so the outcome) a test gets for it."""
         special = {Fault.FORBIDDEN: ForbiddenCall, Fault.DEADLOCK: Deadlock}
         return special.get(self, CommunicationError)
+
+    @property
+    def cause(self) -> Cause:
+        return Cause(self.value)
 
     @property
     def precedence(self) -> int:

@@ -29,6 +29,7 @@ from grader.course.catalog import GradedTest, WorldSizes, graded_pytest
 from grader.course.config import TIMED, GradingConfig
 from grader.course.secret import secret
 from grader.course.submission import problem_with, stage
+from grader.failures import Cause
 from grader.judge.audit import audit
 from grader.judge.plugin import GradingPlugin
 from grader.judge.verdict import Verdict
@@ -130,7 +131,8 @@ class Session:
                 if problem is None:
                     runnable.append(test)
                 else:
-                    record(test, Verdict(*problem))
+                    outcome, message, cause = problem
+                    record(test, Verdict(outcome, message, cause=cause))
             if runnable:
                 interrupted, failure = self._run(runnable, listener.on_start, record, per_node)
         except KeyboardInterrupt:
@@ -138,7 +140,9 @@ class Session:
         for test in tests:
             if test.nodeid not in verdicts:
                 reason = "grading was interrupted" if interrupted else "the grader stopped early"
-                verdicts[test.nodeid] = Verdict(protocol.NOT_RUN, f"not run: {reason}")
+                verdicts[test.nodeid] = Verdict(
+                    protocol.NOT_RUN, f"not run: {reason}", cause=Cause.NOT_RUN
+                )
         results = [
             GradedResult(t, v := verdicts[t.nodeid], t.settings.points * v.share()) for t in tests
         ]

@@ -99,21 +99,22 @@ def find_modules(directory: Path, modules: Collection[str] = DEFAULT_MODULES) ->
     )
 
 
-def problem_with(directory: Path, part: str) -> tuple[str, str] | None:
-    """Why a part's module cannot be graded, as (outcome, message), or None if it can.
+def problem_with(directory: Path, part: str) -> tuple[str, str, str] | None:
+    """Why a part's module cannot be graded, as (outcome, message, cause), or None if it can.
 
     Only compiles the file: nothing of the student's runs in the grader's own process.
     """
     module = directory / f"{part}.py"
     if not module.is_file():
-        return "not_run", f"not submitted: the submission has no {part}.py"
+        return "not_run", f"not submitted: the submission has no {part}.py", "not_submitted"
     try:
         source = module.read_bytes()
         compile(source, f"assignments/{part}.py", "exec")
     except SyntaxError as err:
-        return "error", f"assignments/{part}.py has a syntax error (line {err.lineno}): {err.msg}"
+        message = f"assignments/{part}.py has a syntax error (line {err.lineno}): {err.msg}"
+        return "error", message, "syntax_error"
     except (OSError, ValueError) as err:
-        return "error", f"assignments/{part}.py cannot be read: {err}"
+        return "error", f"assignments/{part}.py cannot be read: {err}", "syntax_error"
     return None
 
 

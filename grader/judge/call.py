@@ -99,7 +99,7 @@ def judge_finished(report: Finished, case: str) -> CallResult:
     if problems:
         # The most telling kind, then the lowest rank: the same message whatever the timing.
         first = min(problems, key=lambda p: (p.kind.precedence, p.message))
-        raise first.kind.failure(first.message + suffix, case)
+        raise first.kind.failure(first.message + suffix, case, first.kind.cause)
     returned = [o for o in outcomes if isinstance(o, Returned)]
     if len(returned) != report.size:
         raise failures.CommunicationError("a rank's operation was refused" + suffix, case)
@@ -180,7 +180,7 @@ def _student_failure(
         return failures.NotImplementedYet(f"not implemented yet: {name} raises NotImplementedError")
     text = f"{who}: {first.type}: {first.message}".rstrip(": ") + first.where() + case_suffix(case)
     if first.refused:  # an attempt the TA should see: its own outcome, the line named
-        return failures.ForbiddenCall(text, case)
+        return failures.ForbiddenCall(text, case, failures.Cause.REFUSED)
     if limit := limit_reached(f"{first.type}: {first.message}"):
         text += f"; the rank reached its sandbox's limit on {limit}"
     others = [r for r in own if r not in same]

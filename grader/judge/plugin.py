@@ -19,6 +19,7 @@ import pytest
 from grader import failures, protocol
 from grader.course.catalog import GradedTest
 from grader.course.options import OptionError, TestOptions
+from grader.failures import Cause
 from grader.judge.verdict import Schedule, Verdict
 from grader.launch.world import CallLimits, RankPool, World
 from grader.testkit.compare import WrongResult
@@ -145,21 +146,27 @@ class GradingPlugin:
                 if isinstance(err, failures.GraderFailure)
                 else (f"the course's configuration: {err}")
             )
-            return Verdict(protocol.ERROR, protocol.clean(self.grader_failure))
+            return Verdict(protocol.ERROR, protocol.clean(self.grader_failure), cause=Cause.GRADER)
         if isinstance(err, failures.RankFailure):
-            return Verdict(err.outcome, protocol.clean(str(err)), case=protocol.clean(err.case))
+            message, case = protocol.clean(str(err)), protocol.clean(err.case)
+            return Verdict(err.outcome, message, case=case, cause=err.cause)
         if isinstance(err, PartialCredit):
-            return Verdict(protocol.FAILED, protocol.clean(str(err)), fraction=record.fraction)
+            message = protocol.clean(str(err))
+            return Verdict(protocol.FAILED, message, fraction=record.fraction, cause=Cause.COST)
         if isinstance(err, AssertionError):
             # The graded tests run with --assert=plain: the message is the test's own.
             message = protocol.clean(str(err).strip() or "assertion failed")
-            return Verdict(protocol.FAILED, message, wrong_result=isinstance(err, WrongResult))
+            wrong = isinstance(err, WrongResult)
+            cause = Cause.WRONG_RESULT if wrong else Cause.CHECK
+            return Verdict(protocol.FAILED, message, wrong_result=wrong, cause=cause)
         if report.skipped:
-            return Verdict(protocol.ERROR, "the test was skipped: a skipped test earns nothing")
+            message = "the test was skipped: a skipped test earns nothing"
+            return Verdict(protocol.ERROR, message, cause=Cause.SKIPPED)
         if err is None:
-            return Verdict(protocol.ERROR, "the test did not complete")
+            return Verdict(protocol.ERROR, "the test did not complete", cause=Cause.GRADER)
         # An exception of the test's own code: a value from the ranks it could not use.
-        return Verdict(protocol.ERROR, protocol.clean(f"{type(err).__name__}: {err}"))
+        message = protocol.clean(f"{type(err).__name__}: {err}")
+        return Verdict(protocol.ERROR, message, cause=Cause.CHECK)
 
     def _conclude(self, running: _Running) -> None:
         test, record = running.test, running.record
@@ -170,7 +177,7 @@ class GradingPlugin:
         elif {"setup", "call", "teardown"} <= running.phases_passed:
             verdict = Verdict(protocol.PASSED, record.message, fraction=record.fraction)
         else:
-            verdict = Verdict(protocol.ERROR, "the test did not complete")
+            verdict = Verdict(protocol.ERROR, "the test did not complete", cause=Cause.GRADER)
         self.on_verdict(
             test,
             replace(

@@ -103,6 +103,7 @@ class Verdict:
     seconds: float = 0.0
     case: str = ""  # the input case a failed call ran on, which its message names at the end
     wrong_result: bool = False  # the test found a wrong value, shape or dtype (check_close)
+    cause: str = ""  # a failure's machine key (grader.failures.Cause); "" when it passed
 
     @property
     def passed(self) -> bool:

@@ -109,6 +109,7 @@ def _test_entry(number: int, result: GradedResult) -> dict[str, Any]:
             "world_size": test.world_size,
             "kind": test.kind,
             "outcome": verdict.outcome,
+            **({"cause": verdict.cause} if verdict.cause and not verdict.passed else {}),
             "seconds": round(verdict.seconds, 3),
             **({"fraction": round(verdict.fraction, 4)} if verdict.fraction is not None else {}),
         },
