@@ -42,13 +42,14 @@ from grader.launch.job import descendants
 from grader.protocol import clean
 
 GRADEBOOK, FAILURES, SETTINGS = "gradebook.csv", "failures.txt", "batch.json"
+REPORT = "report.html"  # the class at a glance (grader.report.classreport)
 RESULTS, PARTIAL, LOG = "results.json", ".results.partial.json", "grader.log"
 RANKS_PER_RUN = 4  # the largest world size a grader run launches
 GRACE_SECONDS = 3  # how long a stopped grader gets to end its own jobs before SIGKILL
 EXIT_COMPLETE, EXIT_INCOMPLETE, EXIT_INTERRUPTED = 0, 1, 130
 
 
-_OWN = (GRADEBOOK, FAILURES, SETTINGS)  # what the batch writes beside the students' folders
+_OWN = (GRADEBOOK, FAILURES, SETTINGS, REPORT)  # what the batch writes beside the students' folders
 _ESCAPE = "~"
 _FORMULA = ("=", "+", "-", "@", "\t", "\r")  # what a spreadsheet may run (OWASP), and "'":
 _QUOTE = "'"  # the prefix that neutralises them, so that a name beginning with it is quoted too
@@ -163,9 +164,9 @@ def run_batch(batch: Batch) -> int:
     def books() -> None:  # after each student: an interrupted batch leaves a usable gradebook
         rows = [_row(batch.out, s, batch.parts) for s in names]
         _write_csv(batch.out / GRADEBOOK, batch.parts, rows)
-        _write_text(
-            batch.out / FAILURES, "".join(f"{shown(s)}: {why}\n" for s, why in failures.items())
-        )
+        said = "".join(f"{shown(s)}: {why}\n" for s, why in failures.items())
+        _write_text(batch.out / FAILURES, said)
+        write_report(batch.out, names)
 
     try:
         _grade(batch, todo, failures, books)
@@ -393,9 +394,18 @@ def merge(shards: list[Path], out: Path) -> int:
     if settings != {""}:
         _write_text(out / SETTINGS, settings.pop())
     _write_csv(out / GRADEBOOK, header[2:], [rows[s][1] for s in sorted(rows)])
+    write_report(out, sorted(rows))
     missing = sum(1 for _, row in rows.values() if row[1] == "")
     print(f"gradebook: {out / GRADEBOOK} ({len(rows) - missing} of {len(rows)} graded)")
     return EXIT_INCOMPLETE if missing else EXIT_COMPLETE
+
+
+def write_report(out: Path, names: list[str]) -> None:
+    """``report.html``: the class at a glance, from every complete results.json."""
+    from grader.report import classreport
+
+    found = {s: complete_results(folder_of(out, s) / RESULTS) for s in names}
+    _write_text(out / REPORT, classreport.render({s: r for s, r in found.items() if r}))
 
 
 def _write_csv(path: Path, parts: list[str], rows: list[list[str]]) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -317,3 +318,29 @@ def test_each_student_is_told_with_the_progress_and_the_level_passes_through(
         results = json.loads((out / student / "results.json").read_text())
         assert results["extra_data"]["sandbox"] == level
     assert gradebook(out) == EXPECTED
+
+
+def test_the_class_report_shows_scores_pass_rates_and_causes(graded: Path, tmp_path: Path):
+    """report.html beside the gradebook: a histogram of each part's scores, each test's pass
+    rate, the most common causes with the students they hit (by the verdicts' machine
+    causes), rendered by a real headless browser where one is installed."""
+    page = (graded / "report.html").read_text()
+    assert "<h1>The class at a glance: 3 students</h1>" in page and "<h2>collectives</h2>" in page
+    assert 'class="histogram"' in page and 'broadcast (p=2)</td><td class="num">33%' in page
+    causes = re.findall(r"<tr><td>(\w+)</td><td>([\w.]+)</td><td class=\"num\">(\d+)</td>"
+                        r"<td>([^<]*)</td></tr>", page)  # fmt: skip
+    assert ("not_implemented", "collectives.broadcast", "1", "bob") in causes, causes
+    assert ("syntax_error", "collectives.broadcast", "1", "carol") in causes, causes
+    browser = shutil.which("chromium") or shutil.which("chromium-browser")
+    if browser is None:
+        pytest.skip("no headless browser here (apt-get install chromium)")
+    shot = tmp_path / "report.png"
+    command = [browser, "--headless", "--no-sandbox", "--disable-gpu", f"--screenshot={shot}",
+               "--window-size=900,700", (graded / "report.html").as_uri()]  # fmt: skip
+    subprocess.run(command, capture_output=True, timeout=120, check=True)
+    dom = subprocess.run(
+        [*command[:4], "--dump-dom", (graded / "report.html").as_uri()],
+        capture_output=True, text=True, timeout=120, check=True,
+    ).stdout  # fmt: skip
+    assert "The class at a glance" in dom and dom.count("<tr>") >= 3 * 2
+    assert shot.stat().st_size > 5000  # a page drawn, not a blank one
