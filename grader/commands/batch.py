@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import contextlib
 import csv
-import io
 import json
 import os
 import queue
@@ -40,6 +39,8 @@ from typing import Any
 from grader.launch import orphans
 from grader.launch.job import descendants
 from grader.protocol import clean
+from grader.report import gradebook
+from grader.report.gradebook import from_cell
 
 GRADEBOOK, FAILURES, SETTINGS = "gradebook.csv", "failures.txt", "batch.json"
 REPORT = "report.html"  # the class at a glance (grader.report.classreport)
@@ -51,8 +52,6 @@ EXIT_COMPLETE, EXIT_INCOMPLETE, EXIT_INTERRUPTED = 0, 1, 130
 
 _OWN = (GRADEBOOK, FAILURES, SETTINGS, REPORT)  # what the batch writes beside the students' folders
 _ESCAPE = "~"
-_FORMULA = ("=", "+", "-", "@", "\t", "\r")  # what a spreadsheet may run (OWASP), and "'":
-_QUOTE = "'"  # the prefix that neutralises them, so that a name beginning with it is quoted too
 
 
 class BatchError(Exception):
@@ -128,17 +127,6 @@ def folder_of(out: Path, student: str) -> Path:
 def shown(student: str) -> str:
     """The name as the terminal and failures.txt show it: no control characters."""
     return clean(student, 200)
-
-
-def to_cell(text: str) -> str:
-    """A gradebook cell that a spreadsheet shows as the text it is, never runs."""
-    return _QUOTE + text if text.startswith((*_FORMULA, _QUOTE)) else text
-
-
-def from_cell(cell: str) -> str:
-    """The text of a cell :func:`to_cell` wrote."""
-    quoted = cell.startswith(_QUOTE) and cell[1:].startswith((*_FORMULA, _QUOTE))
-    return cell[1:] if quoted else cell
 
 
 def complete_results(path: Path) -> dict[str, Any] | None:
@@ -343,19 +331,7 @@ def _last_line(log: Path) -> str:
 
 def _row(out: Path, student: str, parts: list[str]) -> list[str]:
     """A gradebook row: total and each part's points, or empty cells if not graded."""
-    results = complete_results(folder_of(out, student) / RESULTS)
-    if results is None:
-        return [student, "", *([""] * len(parts))]
-    by_part = dict.fromkeys(parts, 0.0)
-    for test in results["tests"]:
-        part = test.get("extra_data", {}).get("part")
-        if part in by_part:
-            by_part[part] += float(test.get("score", 0))
-    return [student, _points(results["score"]), *(_points(by_part[p]) for p in parts)]
-
-
-def _points(value: float) -> str:
-    return f"{value:.4f}".rstrip("0").rstrip(".")
+    return gradebook.row(student, complete_results(folder_of(out, student) / RESULTS), parts)
 
 
 def merge(shards: list[Path], out: Path) -> int:
@@ -409,10 +385,7 @@ def write_report(out: Path, names: list[str]) -> None:
 
 
 def _write_csv(path: Path, parts: list[str], rows: list[list[str]]) -> None:
-    text = io.StringIO()
-    table = [["student", "total", *parts], *rows]
-    csv.writer(text, lineterminator="\n").writerows([list(map(to_cell, row)) for row in table])
-    _write_text(path, text.getvalue())
+    _write_text(path, gradebook.text(parts, rows))
 
 
 def _write_text(path: Path, text: str) -> None:

@@ -37,7 +37,7 @@ from grader.course.secret import SECRET_ENV
 from grader.launch import orphans, tmpdir
 from grader.launch.sandboxed import JOB_ENV, SandboxPlan
 from grader.protocol import rank_socket
-from grader.sandbox import DEFAULT_SCRATCH, Level, die_with, unavailable_landlock, view
+from grader.sandbox import DEFAULT_SCRATCH, Level, die_with, view, walled
 from grader.sandbox.landlock import Rule
 
 if TYPE_CHECKING:
@@ -77,7 +77,7 @@ def job_settings(
 ) -> JobSettings:
     """What every job of a run shares; made the same way on every node of a run."""
     import_dir = work / "import"
-    lib = rank_side(work)
+    lib = view.rank_side(work)
     limits = limits or RankLimits()
     readable = (lib, import_dir)
     return JobSettings(
@@ -88,32 +88,12 @@ def job_settings(
         readable=(*readable, *view.interpreter()),
         pythonpath=str(lib),
         memory_bytes=limits.memory_bytes,
-        allow=tuple(view.allowed(list(readable), device)) if _walled(level) else (),
+        allow=tuple(view.allowed(list(readable), device)) if walled(level) else (),
         device=device,
         head=head,
         scratch_bytes=limits.scratch_bytes,
         identity=identity if level is not Level.NONE else None,
     )
-
-
-def _walled(level: Level) -> bool:
-    """Whether the ranks apply the Landlock allow-list: at ``uid`` always (it is the wall;
-    the level is refused without it), at ``namespaces`` where the kernel has Landlock."""
-    if level is Level.NAMESPACES:
-        return unavailable_landlock() is None
-    return level is Level.UID
-
-
-def rank_side(work: Path) -> Path:
-    """The folder the ranks import the grader from: a copy of the package in the run's work
-    folder, made once. The ranks never read the grader where it is installed, which may be
-    inside a course made unreadable to them (an editable install)."""
-    lib = work / "lib"
-    if not (lib / "grader").is_dir():
-        package = Path(__file__).resolve().parents[1]
-        lib.mkdir(mode=0o755, exist_ok=True)
-        shutil.copytree(package, lib / "grader", ignore=shutil.ignore_patterns("__pycache__"))
-    return lib
 
 
 @dataclass(frozen=True)

@@ -47,6 +47,7 @@ __all__ = [
     "die_with",
     "limit_reached",
     "unavailable_landlock",
+    "walled",
 ]
 
 GiB = 1 << 30
@@ -186,6 +187,14 @@ def unavailable_landlock() -> str | None:
     except landlock.LandlockUnavailable as err:
         return str(err)
     return None
+
+
+def walled(level: Level) -> bool:
+    """Whether the ranks apply the Landlock allow-list: at ``uid`` always (it is the wall;
+    the level is refused without it), at ``namespaces`` where the kernel has Landlock."""
+    if level is Level.NAMESPACES:
+        return unavailable_landlock() is None
+    return level is Level.UID
 
 
 def detect(request: str = "auto") -> Level:

@@ -12,6 +12,7 @@ own scratch and process (:func:`grader.sandbox.landlock.own_rules`). Nothing els
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 import sysconfig
 from pathlib import Path
@@ -83,3 +84,15 @@ def interpreter_files() -> list[Path]:
         if path and path.exists() and not path.is_relative_to(repo):
             found.append(path)
     return [p for p in dict.fromkeys(found) if p.exists()]
+
+
+def rank_side(work: Path) -> Path:
+    """The folder the ranks import the grader from: a copy of the package in the run's work
+    folder, made once. The ranks never read the grader where it is installed, which may be
+    inside a course made unreadable to them (an editable install)."""
+    lib = work / "lib"
+    if not (lib / "grader").is_dir():
+        package = Path(__file__).resolve().parents[1]
+        lib.mkdir(mode=0o755, exist_ok=True)
+        shutil.copytree(package, lib / "grader", ignore=shutil.ignore_patterns("__pycache__"))
+    return lib

@@ -237,7 +237,7 @@ def test_no_student_folder_is_a_file_of_the_batch_and_no_two_students_share_one(
     "text", ["=1+1", "+1", "-1", "@SUM(A1)", "\tx", "\rx", "'=1", "''", "'", "alice", "", "a=b"]
 )
 def test_a_gradebook_cell_runs_nothing_and_reads_back_as_it_was(text: str):
-    from grader.commands.batch import from_cell, to_cell
+    from grader.report.gradebook import from_cell, to_cell
 
     cell = to_cell(text)
     assert not cell.startswith(("=", "+", "-", "@", "\t", "\r"))
