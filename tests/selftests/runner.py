@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import html
 import os
 import re
 import shutil
@@ -73,6 +74,14 @@ class Graded:
     stderr: str
     results: dict[str, Any] = field(default_factory=dict)
 
+    def __post_init__(self) -> None:
+        """A test whose output is Gradescope's HTML (a picture embedded) is read as the text
+        a student sees above the picture; the HTML stays in ``output_html``."""
+        for test in self.tests:
+            if test.get("output_format") == "html":
+                test["output_html"] = test["output"]
+                test["output"] = html_text(test["output"])
+
     @property
     def tests(self) -> list[dict[str, Any]]:
         return self.results.get("tests", [])
@@ -102,6 +111,12 @@ class Graded:
 
     def names(self) -> list[str]:
         return [e["name"] for e in self.tests]
+
+
+def html_text(page: str) -> str:
+    """The text of a test's HTML output: its ``<pre>`` message, unescaped."""
+    found = re.search(r"<pre>(.*?)</pre>", page, re.S)
+    return html.unescape(found.group(1)) if found else page
 
 
 def ends_with_the_tests(command: list[str]) -> list[str]:
