@@ -136,8 +136,10 @@ class Matching(Connections):
             for op in members:  # the inputs are consumed; the outputs are held until waited
                 self._ranks[op.rank].buffered -= sum(map(len, op.payload))
                 op.payload = []
-        for op, tensors in zip(members, outputs, strict=True):
-            self._complete(op, [wire.tensor_buffer(t) for t in tensors])
+        for position, (op, tensors) in enumerate(zip(members, outputs, strict=True)):
+            buffers = [wire.tensor_buffer(t) for t in tensors]
+            op.echoed = echoed(op, position, buffers)
+            self._complete(op, buffers)
 
     def _complete(self, op: Op, buffers: list[bytes]) -> None:
         """The op succeeded. What it received reaches its rank when the rank waits for it."""
@@ -158,8 +160,8 @@ class Matching(Connections):
         assert frame is not None
         state = self._ranks[op.rank]
         state.buffered -= sum(map(len, frame.buffers))
-        if op.rank < len(self.traffic.delivered):
-            self.traffic.delivered[op.rank] += sum(map(len, frame.buffers))
+        if op.rank < len(self.traffic.delivered):  # what came from other ranks
+            self.traffic.delivered[op.rank] += sum(map(len, frame.buffers)) - op.echoed
             if op.kind == "recv" and op.event >= 0:
                 self.traffic.handed[(op.rank, op.event)] = len(self.traffic.per_rank[op.rank])
         sent = self._send(op.rank, frame)
@@ -228,3 +230,15 @@ class Matching(Connections):
         for state in self._ranks:  # the last call's messages never handed over
             if state.segment is not None:
                 state.segment.unhold()
+
+
+def echoed(op: Op, position: int, outputs: list[bytes]) -> int:
+    """The bytes of a collective's ``outputs`` that are the member's own input handed back
+    (``position``: its place in the group), which no other rank sent it: all of them in a
+    group of one, or to a broadcast's root; its own piece of an all-gather or an all-to-all.
+    A reduction's result depends on every member's input: none of it is the member's own."""
+    if len(op.group) == 1 or (op.kind == "broadcast" and op.collective.root == position):
+        return sum(map(len, outputs))
+    if op.kind in ("all_gather", "all_to_all") and position < len(outputs):
+        return len(outputs[position])
+    return 0

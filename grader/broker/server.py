@@ -282,6 +282,7 @@ class Broker(Matching):
                 payload=b"".join(op.payload) if self.keep_payloads else b"",
                 pieces=tuple(map(len, op.payload)),
                 root=source(name, op.call.root, group),
+                group=group,
             )
         )
         sequence = self._sequence[(state.rank, group)]
@@ -298,7 +299,8 @@ class Broker(Matching):
         if not state.gates or state.gates[0].label != label:
             raise ProtocolError(f"a gate {label!r} where the call has none")
         gate, events = state.gates.pop(0), self.traffic.per_rank[state.rank]
-        opened = any(gate.opened_by(e, self.active) for e in events[state.gate_from :])
+        world = tuple(range(self.active))
+        opened = any(gate.opened_by(e, world) for e in events[state.gate_from :])
         self.traffic.gates[state.rank].append(GatePass(label, opened, len(events)))
         state.gate_from = len(events)
         self._complete(op, [gate.secret])

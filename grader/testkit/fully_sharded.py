@@ -232,7 +232,8 @@ class FirstStep:
 
 
 def first_step(traffic: Traffic, r: int) -> FirstStep:
-    """Rank ``r``'s first step as its gates place it; fails if a gate was never passed."""
+    """Rank ``r``'s first step as its gates place it, its operations between ranks only (no
+    collective of a group smaller than every rank); fails if a gate was never passed."""
     passed = {g.label: g.after for g in traffic.gates[r]}
     labels = ["tokens", *SHARDED[1:], "targets", "lr"]
     lacking = [f"step 1 {what}" for what in labels if f"step 1 {what}" not in passed]
@@ -240,10 +241,13 @@ def first_step(traffic: Traffic, r: int) -> FirstStep:
     events = traffic.per_rank[r]
 
     def operations_before(what: str) -> int:
-        return sum(e.op != "mark" for e in events[: passed[f"step 1 {what}"]])
+        return sum(e.op != "mark" and counts(e) for e in events[: passed[f"step 1 {what}"]])
+
+    def counts(e: Event) -> bool:  # a collective of fewer ranks (one) never left the rank
+        return traffic.among_all(e)
 
     starts = [operations_before(what) for what in labels[: len(SHARDED)]]
-    steps = [e for e in events[: passed["step 1 lr"]] if e.op != "mark"]
+    steps = [e for e in events[: passed["step 1 lr"]] if e.op != "mark" and counts(e)]
     return FirstStep(steps, starts, max(operations_before("targets"), starts[-1]))
 
 
