@@ -210,13 +210,19 @@ class Limits:
 
     A rank that floods the grader (sends nobody receives, receives or marks posted in a
     loop) must not exhaust the trusted side's memory: every byte and every record the broker
-    keeps for a call is counted against the rank that made it.
+    keeps for a call is counted against the rank that made it, and against its share of the
+    call's one budget (``call_bytes``), which the rank that passes it is blamed for.
     """
 
     buffered_bytes: int = 256 * MiB  # payloads held: its sends not yet received, its results
     operations: int = 20_000  # sends, receives, collectives, waits and marks per call
     frame_bytes: int = 256 * MiB + MiB  # one frame from a rank, read before anything else
     recorded_bytes: int = 1024 * MiB  # payloads kept in the call's record, for the tests
+    # Every rank's payloads kept in the call's record and held for it, and the results a
+    # collective is about to make: one budget for the whole call, each rank within its 1/p
+    # share, so that p ranks each within the limits above cannot together take a 4 GB
+    # grader's memory. A message both held and kept is one copy counted twice.
+    call_bytes: int = 1536 * MiB
 
 
 def itemsize(meta: TensorMeta) -> int:

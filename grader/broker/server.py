@@ -233,6 +233,8 @@ class Broker(Matching):
         if self._check_peer(op) and self._hold(state, op, len(frame.buffers[0])):
             if self.keep_payloads:
                 state.record(len(frame.buffers[0]), self.limits)
+            self._within_budget(state, op)
+            if self.keep_payloads:
                 frame = settled(frame)  # held as it was read, just before this call began
             op.payload = frame.buffers
             self._queue(self._sends, (op.rank, op.peer, op.tag), op)
@@ -272,6 +274,7 @@ class Broker(Matching):
         op.event = len(self.traffic.per_rank[state.rank])
         if self.keep_payloads:
             state.record(nbytes, self.limits)
+        self._within_budget(state, op)
         self.traffic.per_rank[state.rank].append(
             Event(
                 name,
