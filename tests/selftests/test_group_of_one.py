@@ -82,3 +82,28 @@ def test_collectives_in_a_group_of_one_earn_nothing(grade, attack: Attack) -> No
         assert test["score"] == 0, (name, test["output"])
     assert attack.says in graded.test(attack.judged[0], 2, attack.part)["output"]
 
+
+# The class of these attacks: the reference's code, every collective it calls posted in a
+# group of one and made by messages instead (``submissions/solo_route``). What judges the
+# exchange itself earns nothing; what judges the answers keeps its points (the exchange by
+# messages is real), as the reference, graded alike, keeps every point.
+EXCHANGE_KINDS = ("communication", "schedule")
+OWNERSHIP = ("sharded_optimizer_state",)  # a correctness test of who sent the updates
+
+
+def test_collectives_re_issued_in_a_group_of_one_earn_no_exchange_point(grade) -> None:
+    parts = (DP, TP, FSDP)
+    graded = grade("solo_route", *parts, world_sizes=(2,))
+    honest = grade("reference", *parts, world_sizes=(2,))
+    judged: dict[str, int] = dict.fromkeys(parts, 0)
+    assert graded.tests, graded.stdout + graded.stderr
+    for entry in graded.tests:
+        extra = entry["extra_data"]
+        twin = honest.test(extra["test"], 2, extra["part"])
+        assert twin["score"] == twin["max_score"] > 0, twin["output"]
+        if extra["kind"] in EXCHANGE_KINDS or extra["test"] in OWNERSHIP:
+            judged[extra["part"]] += 1
+            assert entry["score"] == 0, (entry["name"], entry["output"])
+        else:
+            assert entry["score"] == entry["max_score"], (entry["name"], entry["output"])
+    assert all(judged.values()), judged  # every part has tests of the exchange
