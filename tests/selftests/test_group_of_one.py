@@ -64,6 +64,13 @@ ATTACKS = [
         FSDP_JUDGED,
         "embed computed its forward before embed.weight was gathered",
     ),
+    Attack(  # the reference's gathers in the first step, whose weights every rank has
+        "fsdp_solo_gathers+fsdp_solo_after_first_step",
+        FSDP,
+        "",
+        FSDP_JUDGED,
+        "step 2: embed computed its forward before embed.weight was gathered",
+    ),
 ]
 
 
