@@ -70,6 +70,21 @@ def compute(
     raise ValueError(f"the broker does not provide {name}")
 
 
+def produced(members: list[Op]) -> int:
+    """The bytes of results :func:`compute` makes for ``members`` (every member's outputs
+    together), from their inputs' sizes, before anything is computed."""
+    sizes = [[len(buffer) for buffer in op.payload] for op in members]
+    p, kind = len(members), members[0].kind
+    if kind == "all_gather":  # every member gets every member's tensor
+        return p * sum(inputs[0] for inputs in sizes if inputs)
+    if kind in ("reduce_scatter", "all_to_all"):  # each piece lands once, or one sum of p
+        return sum(map(sum, sizes)) // (p if kind == "reduce_scatter" else 1)
+    if kind == "broadcast":  # every member gets the root's tensors
+        root = members[0].collective.root
+        return p * sum(sizes[root]) if 0 <= root < p else 0
+    return p * max(map(sum, sizes), default=0)  # all_reduce: every member gets one sum
+
+
 class CollectiveError(ValueError):
     """The members of a collective disagree, or their contributions cannot be combined."""
 

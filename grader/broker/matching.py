@@ -16,7 +16,7 @@ from typing import Any
 from grader import protocol, wire
 from grader.broker import collectives, faults
 from grader.broker.connections import Connections
-from grader.broker.ops import Limits, Op, Problem, RankState, Returned, nbytes
+from grader.broker.ops import LimitExceeded, Limits, Op, Problem, RankState, Returned, nbytes
 from grader.broker.traffic import Event, Traffic
 from grader.failures import Fault
 from grader.protocol import ProtocolError, RankError, TensorMeta, clean, field_int
@@ -125,6 +125,8 @@ class Matching(Connections):
         self._complete(send, [])
 
     def _run_collective(self, members: list[Op]) -> None:
+        if not self._affords(members):
+            return
         try:
             outputs = collectives.run(members)
         except collectives.CollectiveError as err:
@@ -136,8 +138,10 @@ class Matching(Connections):
             for op in members:  # the inputs are consumed; the outputs are held until waited
                 self._ranks[op.rank].buffered -= sum(map(len, op.payload))
                 op.payload = []
-        for op, tensors in zip(members, outputs, strict=True):
-            self._complete(op, [wire.tensor_buffer(t) for t in tensors])
+        for position, (op, tensors) in enumerate(zip(members, outputs, strict=True)):
+            buffers = [wire.tensor_buffer(t) for t in tensors]
+            op.echoed = echoed(op, position, buffers)
+            self._complete(op, buffers)
 
     def _complete(self, op: Op, buffers: list[bytes]) -> None:
         """The op succeeded. What it received reaches its rank when the rank waits for it."""
@@ -158,8 +162,8 @@ class Matching(Connections):
         assert frame is not None
         state = self._ranks[op.rank]
         state.buffered -= sum(map(len, frame.buffers))
-        if op.rank < len(self.traffic.delivered):
-            self.traffic.delivered[op.rank] += sum(map(len, frame.buffers))
+        if op.rank < len(self.traffic.delivered):  # what came from other ranks
+            self.traffic.delivered[op.rank] += sum(map(len, frame.buffers)) - op.echoed
             if op.kind == "recv" and op.event >= 0:
                 self.traffic.handed[(op.rank, op.event)] = len(self.traffic.per_rank[op.rank])
         sent = self._send(op.rank, frame)
@@ -184,6 +188,48 @@ class Matching(Connections):
             "never waited for)",
         )
         self._refuse(op, f"more than {limit} MiB of messages waiting in the grader")
+        return False
+
+    # -- the call's budget ------------------------------------------------------------------------
+
+    def _in_call(self) -> int:
+        """The bytes the call keeps in the grader now: every rank's payloads held and kept in
+        the record."""
+        return sum(s.buffered + s.recorded for s in self._ranks[: self.active])
+
+    def _within_budget(self, state: RankState, op: Op) -> None:
+        """The call's budget (:attr:`Limits.call_bytes`), shared by its ranks, after
+        ``state``'s rank posted ``op``: past its share (what it sent and what it received
+        and has not waited for), the rank is at fault. The ranks run the same program, so
+        none needs more than its share; and whatever each rank does, the call keeps no more
+        than the budget."""
+        share = self.limits.call_bytes // max(self.active, 1)
+        if state.buffered + state.recorded <= share:
+            return
+        raise LimitExceeded(
+            f"took the grader past its share of the call's budget ({share >> 20} of "
+            f"{self.limits.call_bytes >> 20} MiB for {self.active} ranks) with the "
+            f"{op.describe()} (its messages and collectives' inputs kept for the tests and "
+            "held until received, together)"
+        )
+
+    def _affords(self, members: list[Op]) -> bool:
+        """Whether the call's budget holds the results the collective of ``members`` would
+        make; if not, it is refused to every member, each at fault."""
+        made = collectives.produced(members)
+        if self._in_call() + made <= self.limits.call_bytes:
+            return True
+        limit, first = self.limits.call_bytes >> 20, members[0]
+        ranks = ", ".join(str(op.rank) for op in members)
+        self._fault(
+            Fault.LIMIT,
+            f"ranks {ranks}: the {first.describe()} would make {made >> 20} MiB of results, "
+            f"past the {limit} MiB the grader keeps for one call",
+        )
+        for op in members:
+            self._ranks[op.rank].buffered -= sum(map(len, op.payload))
+            op.payload = []
+            self._refuse(op, f"its results would pass the {limit} MiB the grader keeps for a call")
         return False
 
     # -- faults ----------------------------------------------------------------------------------
@@ -228,3 +274,15 @@ class Matching(Connections):
         for state in self._ranks:  # the last call's messages never handed over
             if state.segment is not None:
                 state.segment.unhold()
+
+
+def echoed(op: Op, position: int, outputs: list[bytes]) -> int:
+    """The bytes of a collective's ``outputs`` that are the member's own input handed back
+    (``position``: its place in the group), which no other rank sent it: all of them in a
+    group of one, or to a broadcast's root; its own piece of an all-gather or an all-to-all.
+    A reduction's result depends on every member's input: none of it is the member's own."""
+    if len(op.group) == 1 or (op.kind == "broadcast" and op.collective.root == position):
+        return sum(map(len, outputs))
+    if op.kind in ("all_gather", "all_to_all") and position < len(outputs):
+        return len(outputs[position])
+    return 0

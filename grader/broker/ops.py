@@ -54,7 +54,8 @@ class Gate:
 
     The scenario cannot go on without ``secret`` (its result would be wrong), so the point is
     where the scenario's code really is, not where a mark says. The broker hands the secret
-    over at once and records whether one of the rank's all-reduces since the previous gate
+    over at once and records whether one of the rank's all-reduces since the previous gate,
+    one of every rank of the call (what a group of one carries never leaves the rank),
     carried every value of ``needs`` (as they are, or divided by the group's size): a causal
     fact, from checked payloads, that no mark, clock or order a rank reports can forge.
     """
@@ -69,17 +70,21 @@ class Gate:
         :func:`grader.scenarios.gate`)."""
         return cls(label, tensor.detach().double().contiguous().numpy().tobytes(), needs)
 
-    def opened_by(self, event: Any, group_size: int) -> bool:
+    def opened_by(self, event: Any, world: tuple[int, ...]) -> bool:
+        """Whether ``event`` opens the gate: an all-reduce of the call's ranks ``world`` that
+        carried ``needs``."""
         if not self.needs:
             return True
-        if event.op != "all_reduce" or not event.payload or len(event.payload) > 1 << 24:
+        if event.op != "all_reduce" or event.group != world:
+            return False
+        if not event.payload or len(event.payload) > 1 << 24:
             return False
         dtype = wire.DTYPES.get(event.dtype, torch.float32)
         if len(event.payload) % dtype.itemsize:
             return False
         carried = torch.frombuffer(bytearray(event.payload), dtype=dtype).double()
         needs = torch.tensor(self.needs, dtype=torch.float64)
-        for wanted in (needs, needs / group_size):
+        for wanted in (needs, needs / len(world)):
             gap = (carried[None, :] - wanted[:, None]).abs().amin(dim=1)
             if bool((gap <= 1e-5 * wanted.abs() + 1e-12).all()):  # float32 buckets too
                 return True
@@ -133,6 +138,7 @@ class Op:
     held: Frame | None = None  # its outcome, kept until the rank asks for it
     refused: bool = False
     event: int = -1  # its position in the rank's traffic record
+    echoed: int = 0  # bytes of its outcome that are its own input handed back (a collective's)
 
     @property
     def collective(self) -> CollectiveCall:
@@ -209,13 +215,19 @@ class Limits:
 
     A rank that floods the grader (sends nobody receives, receives or marks posted in a
     loop) must not exhaust the trusted side's memory: every byte and every record the broker
-    keeps for a call is counted against the rank that made it.
+    keeps for a call is counted against the rank that made it, and against its share of the
+    call's one budget (``call_bytes``), which the rank that passes it is blamed for.
     """
 
     buffered_bytes: int = 256 * MiB  # payloads held: its sends not yet received, its results
     operations: int = 20_000  # sends, receives, collectives, waits and marks per call
     frame_bytes: int = 256 * MiB + MiB  # one frame from a rank, read before anything else
     recorded_bytes: int = 1024 * MiB  # payloads kept in the call's record, for the tests
+    # Every rank's payloads kept in the call's record and held for it, and the results a
+    # collective is about to make: one budget for the whole call, each rank within its 1/p
+    # share, so that p ranks each within the limits above cannot together take a 4 GB
+    # grader's memory. A message both held and kept is one copy counted twice.
+    call_bytes: int = 1536 * MiB
 
 
 def itemsize(meta: TensorMeta) -> int:

@@ -234,6 +234,8 @@ class Broker(Matching):
         if self._check_peer(op) and self._hold(state, op, len(frame.buffers[0])):
             if self.keep_payloads:
                 state.record(len(frame.buffers[0]), self.limits)
+            self._within_budget(state, op)
+            if self.keep_payloads:
                 frame = settled(frame)  # held as it was read, just before this call began
             op.payload = frame.buffers
             self._queue(self._sends, (op.rank, op.peer, op.tag), op)
@@ -273,6 +275,7 @@ class Broker(Matching):
         op.event = len(self.traffic.per_rank[state.rank])
         if self.keep_payloads:
             state.record(nbytes, self.limits)
+        self._within_budget(state, op)
         self.traffic.per_rank[state.rank].append(
             Event(
                 name,
@@ -283,6 +286,7 @@ class Broker(Matching):
                 payload=b"".join(op.payload) if self.keep_payloads else b"",
                 pieces=tuple(map(len, op.payload)),
                 root=source(name, op.call.root, group),
+                group=group,
             )
         )
         sequence = self._sequence[(state.rank, group)]
@@ -299,7 +303,8 @@ class Broker(Matching):
         if not state.gates or state.gates[0].label != label:
             raise ProtocolError(f"a gate {label!r} where the call has none")
         gate, events = state.gates.pop(0), self.traffic.per_rank[state.rank]
-        opened = any(gate.opened_by(e, self.active) for e in events[state.gate_from :])
+        world = tuple(range(self.active))
+        opened = any(gate.opened_by(e, world) for e in events[state.gate_from :])
         self.traffic.gates[state.rank].append(GatePass(label, opened, len(events)))
         state.gate_from = len(events)
         self._complete(op, [gate.secret])

@@ -35,6 +35,9 @@ class Event:
     pieces: tuple[int, ...] = field(default=(), compare=False)
     # A broadcast's source, a global rank, as the broker computed it; -1 for any other op.
     root: int = field(default=-1, compare=False)
+    # A collective's group: the world ranks of its members, in group order, as the broker
+    # matched it; empty for any other op. What a collective carried reached only these ranks.
+    group: tuple[int, ...] = field(default=(), compare=False)
 
     def as_dict(self) -> dict[str, Any]:
         return {"op": self.op, "peer": self.peer, "nbytes": self.nbytes, "tag": self.tag}
@@ -87,7 +90,10 @@ class Traffic:
 
     per_rank: list[list[Event]] = field(default_factory=list)
     waits: list[list[Wait]] = field(default_factory=list)
-    delivered: list[int] = field(default_factory=list)  # bytes handed to each rank
+    # Bytes handed to each rank that it did not send itself: a collective's result less its
+    # own input handed back (a group of one's whole result, a broadcast root's tensor, its
+    # own piece of an all-gather or an all-to-all: :func:`grader.broker.matching.echoed`).
+    delivered: list[int] = field(default_factory=list)
     gates: list[list[GatePass]] = field(default_factory=list)
     # (rank, position of a receive among its events) -> how many of the rank's events the
     # broker had recorded when it handed the message over: what it received can only reach
@@ -170,11 +176,31 @@ class Traffic:
         )
 
     def collectives(self, rank: int, *names: str) -> list[Event]:
+        """The rank's collectives (``names`` only, if given), in whatever group."""
         return [
             e
             for e in self.per_rank[rank]
             if e.peer < 0 and e.op != "mark" and (not names or e.op in names)
         ]
+
+    @property
+    def world(self) -> tuple[int, ...]:
+        """The ranks of the call: the group of ``torch.distributed``'s default group."""
+        return tuple(range(len(self.per_rank)))
+
+    def among_all(self, event: Event) -> bool:
+        """Whether the event is a message, a mark, or a collective of every rank of the call;
+        not a collective of a smaller group (of one: what it carried never left its rank)."""
+        return event.peer >= 0 or event.op == "mark" or event.group == self.world
+
+    def exchanged(self, rank: int) -> list[Event]:
+        """The rank's events, its collectives of any group but the whole call's left out: what
+        a test of a strategy on the default group judges (:meth:`among_all`)."""
+        return [e for e in self.per_rank[rank] if self.among_all(e)]
+
+    def world_collectives(self, rank: int, *names: str) -> list[Event]:
+        """The rank's collectives (``names`` only, if given) of every rank of the call."""
+        return [e for e in self.collectives(rank, *names) if e.group == self.world]
 
     def split_at_gate(self, rank: int, label: str) -> tuple[list[Event], list[Event]] | None:
         """The rank's operations before it passed the gate ``label``, and from it on (marks

@@ -181,11 +181,12 @@ Window = dict[str, list[Event]]
 
 
 def all_reduces(out: CallResult, rank: int) -> list[Window]:
-    """Per iteration, the broker's events of each all-reduce ``during`` backward and ``after``
-    it returned (until finish returned), told apart by the scenario's marks."""
+    """Per iteration, the broker's events of each all-reduce of every rank ``during`` backward
+    and ``after`` it returned (until finish returned), told apart by the scenario's marks; an
+    all-reduce of a smaller group (of one: it never left the rank) is none."""
     iterations: list[Window] = []
     window = ""
-    for event in out.traffic.per_rank[rank]:
+    for event in out.traffic.exchanged(rank):
         if event.op == "mark":
             if event.at == "backward":
                 iterations.append({"during": [], "after": []})
@@ -202,7 +203,11 @@ def overlap_problem(iterations: list[Window], i: int, bucket: str) -> str | None
     if not reduces:
         made = len(iterations[0]["during"] + iterations[0]["after"])
         again = f" (iteration 1 made {made}: reset the per-iteration state)" * (i > 0)
-        return f"no all-reduce was called during backward and finish{again}"
+        return (
+            f"no all-reduce was called during backward and finish{again} (of every rank, the "
+            "default group's: an all-reduce of a smaller group, of the rank alone, reaches no "
+            "other rank)"
+        )
     # A lower precision first: it also changes the bytes, and the count if buckets are packed
     # by the flattened size, and it is what the student must fix.
     lower = sorted({e.dtype for e in reduces} - {"float64", ""})
@@ -308,17 +313,18 @@ def gate_problem(out: CallResult, rank: int, full: list, bucket: str) -> str | N
 
 
 def carried_problem(out: CallResult, rank: int, full: list) -> str | None:
-    """What the broker's record of the rank's gradient all-reduces proves wrong: together they
-    must carry the gradients this rank's backward computed in each iteration (the trusted
-    side's, through the gate's factor), each once. The order is the buckets' choice, so the
-    values are compared sorted; an all-reduce of the right size holding anything else
-    (zeros, with the real averaging done some other way) is a wrong message, and the message
-    names the gradients that are not among what was carried."""
+    """What the broker's record of the rank's gradient all-reduces of every rank (what the
+    others received) proves wrong: together they must carry the gradients this rank's
+    backward computed in each iteration (the trusted side's, through the gate's factor), each
+    once. The order is the buckets' choice, so the values are compared sorted; an all-reduce
+    of the right size holding anything else (zeros, with the real averaging done some other
+    way) is a wrong message, and the message names the gradients that are not among what was
+    carried."""
     p = len(out.traffic.gates)
     mine = slices(full, rank, p)
     local = [gated_grads(x, y, gate_factor(rank, i)) for i, (x, y) in enumerate(mine, start=1)]
     want = torch.cat([g.reshape(-1) for grads in local for g in grads.values()]).sort().values
-    reduces = out.traffic.collectives(rank, "all_reduce")
+    reduces = out.traffic.world_collectives(rank, "all_reduce")  # what reached the others
     got = torch.cat([carried(e) for e in reduces] or [torch.zeros(0, dtype=torch.float64)])
     got = got.sort().values
     if got.shape == want.shape and close_in_float32(got, want):

@@ -160,7 +160,8 @@ def phase_operations(out: CallResult, rank: int) -> dict[str, Counter]:
 def phase_events(out: CallResult, rank: int) -> dict[str, list[Event]]:
     """The operations the broker carried for ``rank`` in the MLP's forward and its backward.
 
-    The operations, their names and their count are the broker's own record; so is where
+    The operations, their names and their count are the broker's own record, collectives of
+    every rank only (the MLP's group: the default one); so is where
     the rank passed the gates that hand over the input ("forward") and the output's gradient
     ("backward"): no operation that needs either can come before its gate.
     """
@@ -172,7 +173,11 @@ def phase_events(out: CallResult, rank: int) -> dict[str, list[Event]]:
         f"rank {rank}: it never reached the grader's gates around the MLP's forward and backward",
     )
     forward = backward[0][len(started[0]) :]
-    return {"forward": forward, "backward": backward[1]}
+    # A collective of a smaller group than the MLP's (of one: it never left the rank) is none.
+    return {
+        "forward": [e for e in forward if traffic.among_all(e)],
+        "backward": [e for e in backward[1] if traffic.among_all(e)],
+    }
 
 
 def partial_sums(full: dict[str, Tensor], x: Tensor, grad: Tensor, p: int, r: int) -> dict:

@@ -2,7 +2,8 @@
 
 A parameter element's owner is the rank that sent its updated value: the root of a broadcast
 that carried it, or the rank whose input to an all-gather or an all-reduce (the others adding
-zeros there) held it. Values are matched by
+zeros there) held it, in a collective of every rank (the default group): one of a smaller
+group, of the rank alone, never sent anything to the others. Values are matched by
 content against the unsharded optimizer's updated parameters (computed here), so that neither
 the order of the messages nor their grouping into tensors matters: whole parameters, flat
 element ranges and buckets of several parameters are all read the same way.
@@ -70,8 +71,8 @@ def senders(traffic: Traffic, updated: list[list[Tensor]]) -> Tensor:
     """
     flats = [torch.cat([t.detach().double().flatten() for t in step]) for step in updated]
     sent = torch.zeros(len(traffic.per_rank), len(flats[0]), dtype=torch.bool)
-    for rank, events in enumerate(traffic.per_rank):
-        for event in events:
+    for rank in range(len(traffic.per_rank)):
+        for event in traffic.exchanged(rank):  # what another rank received: every rank's
             values = update_of(event, rank)
             if values is None or not len(values):
                 continue
@@ -95,8 +96,9 @@ def owners(traffic: Traffic, updated: list[list[Tensor]]) -> tuple[Owners | None
         i = parameter(int((count == 0).nonzero()[0]))
         return None, (
             f"no rank sent parameter {i}'s updated value, in a broadcast from its root or in "
-            f"its input to an all-gather or an all-reduce (the broker's record of what each "
-            f"carried): {HOW}"
+            f"its input to an all-gather or an all-reduce, of every rank (the broker's record "
+            f"of what each carried; one of a smaller group, of the rank alone, reaches no other "
+            f"rank): {HOW}"
         )
     if bool((count > 1).any()):
         j = int((count > 1).nonzero()[0])

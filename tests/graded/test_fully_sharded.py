@@ -5,10 +5,13 @@ two norms, three Linear layers; no parameter size divides by every p, so the pad
 is built on every rank from a state made here, wrapped, and trained 3 steps on the rank's slice
 of the batch, which it gets only through the broker's gates (the tokens as the embedding starts,
 a factor on each later sharded layer's input as it starts, the targets at the loss, the learning
-rate at the optimizer's step): the gates place every all-gather and reduce-scatter of the first
-step, and no mark is read. The oracle is the very same module trained here on one process on the
-whole batch, with the compute dtype's casts where FSDP makes them (weights and the sharded
-layers' floating inputs cast to it, the loss in float32) and the same factors.
+rate at the optimizer's step): the gates place every all-gather and reduce-scatter of every
+step, and no mark is read; only collectives of every rank count (one of a group of one never
+left its rank), and every step is judged, the later ones against the shards and gradients of
+the one-process training (a step needs the other ranks' updated shards). The oracle is the
+very same module trained here on one process on the whole batch, with the compute dtype's
+casts where FSDP makes them (weights and the sharded layers' floating inputs cast to it, the
+loss in float32) and the same factors.
 
 - ``training``: SGD and AdamW, float32 and ``compute_dtype`` float16 and bfloat16: the gathered
   parameters after 3 steps against the oracle's, within ``tolerance`` of grading.yaml (relative
@@ -43,26 +46,26 @@ import pytest
 import torch
 from torch import Tensor
 
-from grader.scenarios.fully_sharded import DTYPES, SHARDED
-from grader.testkit import CallResult, Event, TestOptions, TestRecord, World
+from grader.scenarios.fully_sharded import DTYPES
+from grader.testkit import CallResult, TestOptions, TestRecord, World
 from grader.testkit.compare import on_every_rank, require
 from grader.testkit.fully_sharded import (
-    ITEMSIZE,
     NUMEL,
     REPLICATED,
     ROWS,
     SHARDED_PARAMS,
     STEPS,
+    bytes_bound,
     check_record,
     expected,
-    first_step,
     gates,
     initial_state,
     local_grads,
     mean_factor,
     padded_shard,
-    scatter_problem,
     shard_size,
+    step_messages,
+    step_of,
     within,
 )
 
@@ -166,7 +169,7 @@ def test_gradient_shards(world: World, options: TestOptions, dtype: str) -> None
 
 @pytest.mark.graded(target="fully_sharded.FullyShardedDataParallel", kind="schedule")
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_memory_at_rest(world: World, record: TestRecord, dtype: str) -> None:
+def test_memory_at_rest(world: World, options: TestOptions, record: TestRecord, dtype: str) -> None:
     p = world.size
     out = train_call(world, "sgd", dtype, f"sgd-{dtype}")
 
@@ -183,7 +186,8 @@ def test_memory_at_rest(world: World, record: TestRecord, dtype: str) -> None:
                         f"{shard_size(name, p)}: between uses a rank keeps only its shard",
                     )
         if p > 1:
-            record.details[f"rank {r}"] = check_record(out, r, p, dtype, "memory")
+            tolerance = options.tolerance_for(dtype)
+            record.details[f"rank {r}"] = check_record(out, r, p, dtype, "memory", tolerance)
 
     on_every_rank(p, check)
 
@@ -193,63 +197,27 @@ def test_memory_at_rest(world: World, record: TestRecord, dtype: str) -> None:
 def test_communication(world: World, options: TestOptions, record: TestRecord, dtype: str) -> None:
     p = world.size
     out = train_call(world, "sgd", dtype, f"sgd-{dtype}")
-    c = ITEMSIZE[dtype]
-    shard_bytes = {n: shard_size(n, p) for n in SHARDED_PARAMS}
-    linear = [f"{m}.weight" for m in SHARDED if m != "embed"]
-    bound = (p - 1) * (
-        sum(shard_bytes.values()) * c  # forward gathers
-        + sum(shard_bytes[n] for n in linear) * c  # backward gathers
-        + sum(shard_bytes.values()) * 4  # reduce-scatters
-    ) + 2 * (p - 1) / p * sum(NUMEL[n] for n in REPLICATED) * 4
-    ratio = options.bytes_ratio("FullyShardedDataParallel")
-
-    def moved(e: Event) -> float:
-        if e.op == "all_gather":
-            return (p - 1) * e.nbytes
-        if e.op in ("reduce_scatter", "all_to_all"):
-            return (p - 1) / p * e.nbytes
-        if e.op == "all_reduce":
-            return 2 * (p - 1) / p * e.nbytes
-        if e.op in ("send", "recv"):
-            return e.nbytes if e.op == "send" else 0
-        return e.nbytes
+    bound, ratio = bytes_bound(p, dtype), options.bytes_ratio("FullyShardedDataParallel")
+    tolerance = options.tolerance_for(dtype)
+    record.details["bound"] = bound
 
     def check(r: int) -> None:
-        check_record(out, r, p, dtype, "communication")
-        step = first_step(out.traffic, r)
-        scatters = [e for e in step.backward if e.op == "reduce_scatter"]
-        for e in scatters:
+        check_record(out, r, p, dtype, "communication", tolerance)
+        for number in range(1, STEPS + 1):  # each step needs the last one's updates
+            where = f"step {number}: " if number > 1 else ""
+            local = local_grads(dtype, p, r, number)  # this rank's own gradients, once
+            try:
+                total = step_messages(step_of(out.traffic, r, number), p, local, tolerance)
+            except AssertionError as err:
+                raise AssertionError(f"{where}{err}") from None
+            most = record.details.setdefault("bytes", {})
+            most[r] = max(most.get(r, 0.0), total)
             require(
-                e.dtype == "float32",
-                f"a reduce-scatter at {e.at or '?'} carries {e.dtype}: gradients are "
-                "reduce-scattered in float32",
+                total <= ratio * bound + 1e-9,
+                f"{where}one step moves {total:.0f} bytes on rank {r}, {total / bound:.2f}x the "
+                f"bound of {bound:.0f} (gather, gather again for the Linear layers, "
+                "reduce-scatter in float32, all-reduce of the replicated parameters); allowed "
+                f"{ratio}x",
             )
-        sizes = sorted(e.nbytes for e in scatters)
-        want = sorted(shard_bytes[n] * p * 4 for n in SHARDED_PARAMS)
-        reduced = [e.nbytes for e in step.backward if e.op == "all_reduce" and e.nbytes in want]
-        in_full = (
-            "; the sharded gradients are all-reduced in full: reduce-scatter them, a rank "
-            "needs only its shard's sum"
-            if reduced
-            else ""
-        )
-        require(
-            sizes == want,
-            f"the reduce-scatters carry {sizes} bytes; expected one per sharded parameter, "
-            f"its padded gradient of p*s float32 elements: {want}{in_full}",
-        )
-        local = local_grads(dtype, p, r)  # this rank's own gradients, once
-        for e in scatters:
-            problem = scatter_problem(e, p, local, options.tolerance_for(dtype))
-            require(problem is None, str(problem))
-        total = sum(moved(e) for e in step.events)
-        record.details.setdefault("bytes", {})[r] = total
-        record.details["bound"] = bound
-        require(
-            total <= ratio * bound + 1e-9,
-            f"one step moves {total:.0f} bytes on rank {r}, {total / bound:.2f}x the bound of "
-            f"{bound:.0f} (gather, gather again for the Linear layers, reduce-scatter in float32, "
-            f"all-reduce of the replicated parameters); allowed {ratio}x",
-        )
 
     on_every_rank(p, check)

@@ -242,8 +242,9 @@ def allowance(per_param: list[int], scalars: list[int], p: int) -> dict[str, int
 
 def received_limit(initial: list[Tensor], p: int) -> int:
     """What a rank may be handed in the owners-only call: every parameter's update at every
-    step (a broadcast's root gets its own tensor back too), plus padding to a multiple of p
-    per parameter and a few bytes per step."""
+    step, plus padding to a multiple of p per parameter and a few bytes per step. What the
+    broker counts as handed to a rank leaves out its own bytes handed back (a broadcast root's
+    tensor, a group of one's whole result): only what other ranks sent it."""
     per_step = sum(t.nbytes for t in initial) + p * len(initial) * 8 + 64
     return SHARDED_STEPS * per_step
 

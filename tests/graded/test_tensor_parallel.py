@@ -257,7 +257,7 @@ def test_parallel_mlp_communication(world: World, record: TestRecord) -> None:
     p = world.size
     full, x, grad, out = mlp_call(world)
     record.details["all_reduces"] = [
-        len(out.traffic.collectives(r, "all_reduce")) for r in range(p)
+        len(out.traffic.world_collectives(r, "all_reduce")) for r in range(p)
     ]
     calls = [phase_operations(out, r) for r in range(p)]
     record.details["forward_calls"] = dict(calls[0]["forward"])
