@@ -49,14 +49,13 @@ from torch import Tensor
 from grader.scenarios.fully_sharded import DTYPES
 from grader.testkit import CallResult, TestOptions, TestRecord, World
 from grader.testkit.compare import on_every_rank, require
+from grader.testkit.fsdp_record import bytes_bound, check_record, step_messages, step_of
 from grader.testkit.fully_sharded import (
     NUMEL,
     REPLICATED,
     ROWS,
     SHARDED_PARAMS,
     STEPS,
-    bytes_bound,
-    check_record,
     expected,
     gates,
     initial_state,
@@ -64,8 +63,6 @@ from grader.testkit.fully_sharded import (
     mean_factor,
     padded_shard,
     shard_size,
-    step_messages,
-    step_of,
     within,
 )
 

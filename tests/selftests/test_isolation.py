@@ -194,7 +194,7 @@ def test_without_namespaces_a_course_run_grades_at_uid_or_refuses_at_once(
     assert done.returncode == 2 and not results.exists()  # the seconds: printed, for the record
     assert "namespaces: bwrap is not installed (apt-get install bubblewrap)" in line
     assert "uid: a rank cannot start: PermissionError: [Errno 13] Permission denied: " in line
-    assert "not under a 0700 home" in line and "unless --sandbox none is given" in line
+    assert "under a 0700 home" in line and "unless --sandbox none is given" in line
 
 
 @root_only
