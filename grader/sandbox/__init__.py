@@ -73,7 +73,11 @@ _PR_SET_NO_NEW_PRIVS = 38
 _LIMITS_SEEN = (
     ("MemoryError", "memory (limits.memory_per_rank_mib in grading.yaml)"),
     ("No space left on device", "scratch space (limits.scratch_per_rank_mib in grading.yaml)"),
-    ("File too large", "the size of one file (limits.scratch_per_rank_mib in grading.yaml)"),
+    (
+        "File too large",
+        "the size of one file, what it prints included "
+        "(limits.scratch_per_rank_mib in grading.yaml)",
+    ),
     ("Too many open files", "open files and sockets"),
     ("can't start new thread", "processes and threads"),
     ("Resource temporarily unavailable", "processes and threads"),
