@@ -94,10 +94,22 @@ def build_release(config: GradingConfig, output: Path) -> Release:
         if hidden:
             text = yaml.safe_dump(remaining, sort_keys=False, default_flow_style=None)
             (output / _CONFIG_NAME).write_text(_REWRITTEN_HEADER + text)
+        readme = output / "README.md"
+        if readme.is_file():
+            readme.write_text(student_readme(readme.read_text()))
     except OSError as err:
         raise ConfigError(f"cannot write the release into {output}: {err.strerror}") from err
     load_config(output / _CONFIG_NAME)  # the release must grade: its configuration must load
     return Release(output, tuple(sorted(hidden)), tuple(sorted(partly)), tuple(private))
+
+
+_INSTRUCTORS = "\n## For instructors and TAs"
+
+
+def student_readme(text: str) -> str:
+    """The README students get: what the course is and their commands, without the part
+    for instructors and TAs (deploying, batch grading, developing the grader)."""
+    return text.split(_INSTRUCTORS, 1)[0].rstrip() + "\n"
 
 
 def _used_by(folder: Path, names: set[str], files: set[str]) -> set[str]:

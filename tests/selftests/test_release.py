@@ -72,6 +72,10 @@ def test_a_release_ships_the_course_but_nothing_private(scratch: Path):
     assert (out / "tests/graded/grading.yaml").read_text() == (
         REPO / "tests/graded/grading.yaml"
     ).read_text()
+    # The students' README: their commands, not the instructors' part.
+    readme = (out / "README.md").read_text()
+    assert "## For students" in readme and "grader run" in readme
+    assert "For instructors" not in readme and "grader batch" not in readme
 
 
 def _hide(
