@@ -19,8 +19,10 @@ So, over a call:
 - ``outside``: time the rank's own that it neither ran nor waited for a CPU: a sleep, or a
   wait on something outside the broker. The same time while it waits on the broker is
   excused, never counted; a stretch's CPU never covers another stretch's outside time: the
-  broker reads the figures where each stretch begins and ends (the end of a wait just before
-  the write that ends it).
+  broker reads the figures where each stretch begins and ends (the end of a wait on another
+  rank just before the write that ends it; where that answer is queued for the rank's writer
+  thread, before it is queued, so that CPU run while it is written can still cover that
+  long of a later sleep).
 
 Each frame's arrival also ends a :class:`Gap`: the rank's CPU time since the previous
 frame arrived, and its outside time since then, with how many of the rank's events and
