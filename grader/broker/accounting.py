@@ -1,25 +1,34 @@
-"""Where a rank's time goes between its operations, from the kernel's accounting alone.
+"""Where a rank's time goes during a call, from the kernel's accounting alone.
 
-The broker knows when a rank is free: from the moment the write that woke it
-began (its answer, or the call it started; after a frame that waits on nothing and
-got no answer, once that frame is handled), until the rank's next frame begins
-(:mod:`grader.broker.connections`). The kernel knows, for every thread of the
-rank's process, how long it ran on a CPU and how long it was runnable but waited for one
+Every moment of a timed call, from its start until every rank has returned, is its rank's
+own time, except while a complete request of its own is with the broker: from the moment a
+frame of the rank's has arrived whole (a half-sent frame is the rank's doing) until the
+broker lets it run again, from the moment the write that woke it began (after a frame that
+waits on nothing, at once, or once what is being written to it is; after its result, at the
+call's end) (:mod:`grader.broker.connections`). The kernel knows, for every thread of the rank's
+process, how long it ran on a CPU and how long it was runnable but waited for one
 (``/proc/<pid>/task/<tid>/schedstat``: nanoseconds on a CPU, nanoseconds in
 the run queue), and the process's CPU clock counts every thread it ever had,
-those that ended included (``clock_getcpuclockid``). The pid is the socket's
-peer, as the kernel says (``SO_PEERCRED``), never what the rank says. So, over a call:
+those that ended included (``clock_getcpuclockid``). The pid is that of the process that
+speaks on the socket, as the kernel says (``SCM_CREDENTIALS``), never what the rank says.
+So, over a call:
 
-- ``cpu``: every thread's time on a CPU, the rank's own work wherever it falls;
+- ``cpu``: every thread's time on a CPU, the rank's own work wherever it falls, while it
+  waits on the broker, after it returned while the call goes on;
 - ``waiting``: time runnable but not running, the machine's load;
-- ``outside``: time a free rank neither ran nor waited for a CPU: a sleep, or a
-  wait on something outside the broker.
+- ``outside``: time the rank's own that it neither ran nor waited for a CPU: a sleep, or a
+  wait on something outside the broker. The same time while it waits on the broker is
+  excused, never counted; a stretch's CPU never covers another stretch's outside time: the
+  broker reads the figures where each stretch begins and ends (the end of a wait on another
+  rank just before the write that ends it; where that answer is queued for the rank's writer
+  thread, before it is queued, so that CPU run while it is written can still cover that
+  long of a later sleep).
 
-Each frame's beginning also ends a :class:`Gap`: the rank's CPU time since the
-previous frame began, and the outside time of the free stretch just ended,
-with how many of the rank's events and waits the broker had recorded then, so
-that the judges can put each gap before the operation it delayed
-(:meth:`grader.broker.traffic.Traffic.local_work`).
+Each frame's arrival also ends a :class:`Gap`: the rank's CPU time since the previous
+frame arrived, and its outside time since then, with how many of the rank's events and
+waits the broker had recorded then, so that the judges can put each gap before the
+operation it delayed (:meth:`grader.broker.traffic.Traffic.local_work`); the call's end
+ends the last one, after the rank's last operation.
 
 Nothing a rank says enters these figures. Where they cannot be read (another
 node's rank, reached through a relay; a system without ``schedstat``), the
@@ -163,9 +172,10 @@ def _close(fd: int) -> None:
 
 @dataclass(frozen=True)
 class Gap:
-    """A rank's local time up to one of its frames: ``cpu`` seconds on a CPU since its previous
-    frame began (or its call started), ``outside`` seconds free but neither on a CPU nor
-    waiting for one; ``records``: (events, waits) the broker held of the rank by then."""
+    """A rank's local time up to the arrival of one of its frames (or the call's end): ``cpu``
+    seconds on a CPU since the previous one arrived (or its call started), ``outside``
+    seconds its own but neither on a CPU nor waiting for one; ``records``: (events, waits) the
+    broker held of the rank by then."""
 
     records: tuple[int, int]
     cpu: float
@@ -176,52 +186,79 @@ class Gap:
 class LocalTime:
     """One rank's local time in one call, accumulated from :class:`Reading` s.
 
-    ``free`` is the reading from which the rank was free (not waiting on the broker);
-    the broker calls :meth:`began` when a frame of the rank's begins to arrive and
-    :meth:`released` when it lets the rank run again.
+    The call's time runs from its start (:meth:`released` first) to its end (:meth:`ended`),
+    cut at each reading into stretches: the rank is *free* (its own time), or *waiting* on the
+    broker, from the moment a frame of its own arrived whole (:meth:`arrived`) until the
+    broker lets it run again (:meth:`released`). Every stretch's CPU counts; the time neither
+    on a CPU nor in the run queue counts as ``outside`` in a free stretch, and is excused
+    (``excused``) in a waiting one.
     """
 
     first: Reading | None = None
     last: Reading | None = None
-    free: Reading | None = None
+    with_broker: bool = False  # since ``last``
     outside: float = 0.0
+    excused: float = 0.0
     measured: bool = True
+    over: bool = False  # :meth:`ended`
     gaps: list[Gap] = field(default_factory=list)
     since: Reading | None = None  # where the next gap's CPU time is counted from
+    _outside_since: float = 0.0  # outside time since ``since``
 
     @classmethod
     def unmeasured(cls) -> LocalTime:
         return cls(measured=False)
 
-    def began(self, reading: Reading | None, records: tuple[int, int] = (0, 0)) -> None:
-        """A frame's first bytes arrived, with ``records`` (events, waits) of the rank on
-        record: the rank's free time since :meth:`released` ends, and so does a gap."""
-        if reading is None:
-            self.measured = False
-            return
-        outside = 0.0
-        if self.free is not None:
-            wall = reading.at - self.free.at
-            ran = (reading.cpu - self.free.cpu) + (reading.waiting - self.free.waiting)
-            outside = max(0.0, wall - ran)
-            self.outside += outside
-            self.free = None
-        if self.since is not None:
-            self.gaps.append(Gap(records, max(0.0, reading.cpu - self.since.cpu), outside))
-        self.since = self.last = reading
+    def arrived(self, reading: Reading | None, records: tuple[int, int] = (0, 0)) -> None:
+        """A frame of the rank's arrived whole, with ``records`` (events, waits) of the rank on
+        record: a gap ends, and the rank waits on the broker until :meth:`released`."""
+        if self._advance(reading):
+            self._gap(records)
+            self.with_broker = True
 
     def released(self, reading: Reading | None, at: float | None = None) -> None:
         """The rank is free from ``at`` (default: the reading's moment) on, with the CPU and
-        run-queue figures of ``reading``: its frame is handled, or its wait answered. The
-        broker releases it after writing its answers, so their transfer is never free time."""
+        run-queue figures of ``reading``, read before the write that woke it: its frame is
+        handled, or its wait answered. The first release starts the call."""
+        if reading is not None and at is not None:
+            reading = Reading(at, reading.cpu, reading.waiting)
+        if self._advance(reading):
+            self.with_broker = False
+
+    def ended(self, reading: Reading | None, records: tuple[int, int]) -> None:
+        """The call is over for every rank: the last gap ends (what the rank ran after its
+        result, while the call went on, is its own)."""
+        if self.first is not None and not self.over and self._advance(reading):
+            self._gap(records)
+            self.over = True
+
+    def _advance(self, reading: Reading | None) -> bool:
+        """Count the stretch from the latest reading to ``reading``; False where there is none."""
         if reading is None:
             self.measured = False
-            return
-        if at is not None:
-            reading = Reading(at, reading.cpu, reading.waiting)
-        if self.first is None:
-            self.first = self.since = reading
-        self.free, self.last = reading, reading
+            return False
+        if self.over:
+            return False
+        last = self.last
+        if last is None:
+            self.first = self.since = self.last = reading
+            return True
+        # Never backwards: a figure read before the latest one adds nothing.
+        now = Reading(max(reading.at, last.at), max(reading.cpu, last.cpu),
+                      max(reading.waiting, last.waiting))  # fmt: skip
+        idle = max(0.0, (now.at - last.at) - (now.cpu - last.cpu) - (now.waiting - last.waiting))
+        if self.with_broker:
+            self.excused += idle
+        else:
+            self.outside += idle
+            self._outside_since += idle
+        self.last = now
+        return True
+
+    def _gap(self, records: tuple[int, int]) -> None:
+        assert self.since is not None and self.last is not None
+        self.gaps.append(Gap(records, self.last.cpu - self.since.cpu, self._outside_since))
+        self.since, self._outside_since = self.last, 0.0
 
     @property
     def cpu(self) -> float:

@@ -12,9 +12,11 @@ What the broker's rules answer a rank is sent in order by :meth:`Connections._se
 under the lock, but never waiting on the rank there: its payloads go into the rank's
 segment, and the frame goes at once if the socket takes it whole; anything else is
 queued for the rank's own writer thread. A rank that stops reading blocks its writer
-alone. A rank is free again (its local time runs, :mod:`grader.broker.accounting`) from
-the moment the last write of what it was sent began: the earliest it could have had it
-all (after a frame that waits on nothing and got no answer, once that frame is handled).
+alone. A rank waits on the broker from the moment a frame of its own has arrived whole
+(its clocks are read then, in a timed call), and is free again (its local time runs,
+:mod:`grader.broker.accounting`) from the moment the last write of what it was sent began:
+the earliest it could have had it all (after a frame that waits on nothing and got no
+answer, from the frame's arrival; after its result, at the call's end).
 That moment is taken before the write, never after it, because the write wakes the
 rank, which may run (and start a sleep) before the broker's thread gets a CPU again.
 
@@ -152,44 +154,27 @@ class Connections(ABC):
         meter = accounting.Meter(pid) if pid is not None else None
         with self._cv:
             state.meter = meter
-        began: list[Reading | None] = []
         outbox = self._outboxes[rank]
+        began: list[float] = [0.0]
 
-        def beginning() -> None:  # a reading costs some 10 µs: only where the call is timed
-            began[:] = [meter.read() if meter is not None and state.local.measured else None]
+        def beginning() -> None:  # a frame's first bytes: the rank ran at least until then
+            began[0] = time.monotonic()
 
         try:
             while (frame := wire.recv_frame(sock, self._frame_bytes, beginning)) is not None:
+                # Whole: from now on the rank may wait on the broker. A reading costs some
+                # 10 µs: only where the call is timed.
+                arrived = meter.read() if meter is not None and state.local.measured else None
                 hold = state.running and self._holds(frame)
                 unreadable = _take_payloads(state.segment, frame, hold)
                 with self._cv:
-                    late = began[0] is None and state.running and state.local.measured
-                    if late and meter is not None:
-                        # A frame begun before this call started, and timed: read now, which
-                        # only counts more of the rank's time (unread, the whole call would
-                        # go unmeasured, as a rank that leaves a frame half-sent would like).
-                        began[0] = meter.read()
                     outcome = state.outcome
                     if relayed and frame.header["type"] in protocol.RELAY_ONLY:
                         self._relay_said(rank, frame)
                     else:
-                        if state.running and outbox.then is not None:
-                            # This frame began before the writer, late to the lock, freed
-                            # the rank: it was free from when the latest write to it began,
-                            # or at the latest from this frame's beginning (it ran).
-                            _run_release(outbox, _freed(outbox, began[0]))
-                        if state.running:
-                            state.local.began(began[0], self._records(rank))
-                        written = outbox.reached_at
-                        self._handle(rank, frame, unreadable)
-                        if state.running and state.blocked_on is None:
-                            # Free from the answer written to it meanwhile, if any (the write
-                            # woke it, and it may have run before this thread), else once its
-                            # frame is handled (its next frame's beginning is read no sooner);
-                            # with the figures of the frame's beginning: what it ran meanwhile
-                            # counts in its next gap, as its own work.
-                            answered = outbox.reached_at
-                            self._release(rank, began[0], None if answered == written else answered)
+                        self._arrived(
+                            rank, frame, unreadable, _late(state, meter, arrived), began[0]
+                        )
                     if (
                         frame.header["type"] not in protocol.OPERATIONS
                         or state.outcome is not outcome
@@ -208,6 +193,31 @@ class Connections(ABC):
             if meter is not None:
                 meter.close()
             self._cv.notify_all()
+
+    def _arrived(
+        self, rank: int, frame: Frame, unreadable: wire.WireError | None,
+        arrived: Reading | None, began: float,
+    ) -> None:  # fmt: skip
+        """Handle a frame of ``rank``'s that ``arrived`` whole, its first bytes at ``began``
+        (under the lock), and account for the rank's time around it."""
+        state, outbox = self._ranks[rank], self._outboxes[rank]
+        if state.running and outbox.then is not None:
+            # This frame began before the writer, late to the lock, freed the rank: it was
+            # free from when the latest write to it began, or at the latest from this frame's
+            # beginning (it ran).
+            _run_release(outbox, _freed(outbox, began))
+        if state.running:
+            state.local.arrived(arrived, self._records(rank))
+        written = outbox.reached_at
+        self._handle(rank, frame, unreadable)
+        if state.running and state.blocked_on is None:
+            # Free from the answer written to it meanwhile, if any (the write woke it, and it
+            # may have run before this thread), else from the frame's arrival: it waits for
+            # nothing. With the arrival's figures: the broker's work since ran on none of
+            # the rank's threads.
+            answered = outbox.reached_at
+            at = answered if answered != written else arrived.at if arrived else None
+            self._release(rank, arrived, at)
 
     # -- what the broker sends ----------------------------------------------------------------
 
@@ -335,14 +345,27 @@ def _run_release(outbox: Outbox, at: float | None = None) -> None:
         local.released(reading, max(earliest, at) if at is not None else earliest)
 
 
-def _freed(outbox: Outbox, began: Reading | None) -> float | None:
+def _freed(outbox: Outbox, began: float) -> float | None:
     """When a rank whose frame ``began`` while its release waited was freed: when the latest
     system call writing to it began, if nothing is left queued (the writer may not yet have
     had a CPU since it ended; a call is at most :data:`_CALL_BYTES`), and no later than the
     frame's beginning."""
     reached = outbox.reached_at if not outbox.frames else None
-    moments = [t for t in (reached, began.at if began is not None else None) if t is not None]
-    return min(moments, default=None)
+    return min(reached, began) if reached is not None else began
+
+
+def _late(
+    state: RankState, meter: accounting.Meter | None, arrived: Reading | None
+) -> Reading | None:
+    """``arrived``, or where it was not read (the frame arrived before a timed call started,
+    and is handled in it) or was read before the call started, a reading now: that only counts
+    more of the rank's time (unread, the whole call would go unmeasured, as a rank that leaves
+    a frame half-sent between calls would like). Under the lock."""
+    first = state.local.first
+    stale = arrived is None or (first is not None and arrived.at < first.at)
+    if stale and state.running and state.local.measured and meter is not None:
+        return meter.read()
+    return arrived
 
 
 def _take_payloads(

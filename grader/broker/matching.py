@@ -166,13 +166,15 @@ class Matching(Connections):
             self.traffic.delivered[op.rank] += sum(map(len, frame.buffers)) - op.echoed
             if op.kind == "recv" and op.event >= 0:
                 self.traffic.handed[(op.rank, op.event)] = len(self.traffic.per_rank[op.rank])
+        woken = state.blocked_on is op and state.running and state.local.measured
+        # Its figures just before the write that wakes it (a reading, some 10 µs, in a timed
+        # call only): what its threads ran while it waited is CPU, never time free later.
+        figures = state.meter.read() if woken and state.meter is not None else None
         sent = self._send(op.rank, frame)
         if state.blocked_on is op:
             state.blocked_on = None
-            if state.running and state.local.last is not None:
-                # Free with its last figures: it slept since, and reading them here would
-                # hold the lock.
-                self._release(op.rank, state.local.last, sent)
+            if woken:
+                self._release(op.rank, figures, sent)
 
     def _hold(self, state: RankState, op: Op, size: int) -> bool:
         """Keep ``size`` more bytes for ``state``'s rank; refuse ``op`` past the limit."""
@@ -249,7 +251,16 @@ class Matching(Connections):
         state.outcome = outcome
         state.running = False
         state.blocked_on = None
+        if all(r.outcome is not None for r in self._ranks[: self.active]):
+            self._ended()
         self._check_deadlock()
+
+    def _ended(self) -> None:
+        """Every rank's call is over: so is its local time, with a reading of each timed one
+        (what a rank ran after its result, while the call went on, is its own)."""
+        for state in self._ranks[: self.active]:
+            if state.local.measured and state.meter is not None:
+                state.local.ended(state.meter.read(), self._records(state.rank))
 
     def _check_leftovers(self) -> None:
         """At the end of a call: messages sent and never received, receives never matched."""

@@ -27,9 +27,9 @@ def test_free_time_neither_on_a_cpu_nor_waiting_for_one_is_outside() -> None:
     local = LocalTime()
     local.released(Reading(at=10.0, cpu=1.0, waiting=0.5))
     # 100 ms free: 30 ms on a CPU, 20 ms in the run queue, so 50 ms elsewhere (a sleep).
-    local.began(Reading(at=10.1, cpu=1.03, waiting=0.52))
+    local.arrived(Reading(at=10.1, cpu=1.03, waiting=0.52))
     local.released(Reading(at=10.2, cpu=1.04, waiting=0.52))  # blocked on the broker meanwhile
-    local.began(Reading(at=10.25, cpu=1.09, waiting=0.52))  # 50 ms free, all of it computing
+    local.arrived(Reading(at=10.25, cpu=1.09, waiting=0.52))  # 50 ms free, all of it computing
     assert local.measured
     assert local.cpu == pytest.approx(0.09)
     assert local.waiting == pytest.approx(0.02)
@@ -39,15 +39,28 @@ def test_free_time_neither_on_a_cpu_nor_waiting_for_one_is_outside() -> None:
 def test_time_blocked_on_the_broker_is_not_outside() -> None:
     local = LocalTime()
     local.released(Reading(at=0.0, cpu=0.0, waiting=0.0))
-    local.began(Reading(at=0.001, cpu=0.001, waiting=0.0))  # a blocking wait arrives
-    local.began(Reading(at=5.0, cpu=0.001, waiting=0.0))  # no release in between: not free
+    local.arrived(Reading(at=0.001, cpu=0.001, waiting=0.0))  # a blocking wait arrives
+    local.arrived(Reading(at=5.0, cpu=0.001, waiting=0.0))  # no release in between: not free
     assert local.outside == pytest.approx(0.0)
+
+
+def test_after_its_result_a_rank_is_charged_its_cpu_until_the_call_ends_and_no_more() -> None:
+    local = LocalTime()
+    local.released(Reading(at=0.0, cpu=0.0, waiting=0.0))
+    local.arrived(Reading(at=0.01, cpu=0.01, waiting=0.0), (2, 1))  # its result, whole
+    # The call goes on 0.49 s (another rank still works): 0.3 s of it on a CPU (a thread).
+    local.ended(Reading(at=0.5, cpu=0.31, waiting=0.0), (2, 1))
+    assert local.cpu == pytest.approx(0.31)
+    assert local.gaps[-1] == Gap((2, 1), pytest.approx(0.3), 0.0)  # after its last operation
+    assert local.outside == pytest.approx(0.0) and local.excused == pytest.approx(0.19)
+    local.ended(Reading(at=1.0, cpu=0.5, waiting=0.0), (2, 1))  # over: nothing more counts
+    assert local.cpu == pytest.approx(0.31) and len(local.gaps) == 2
 
 
 def test_a_rank_that_cannot_be_read_is_not_measured() -> None:
     local = LocalTime()
     local.released(Reading(at=0.0, cpu=0.0, waiting=0.0))
-    local.began(None)
+    local.arrived(None)
     assert not local.measured
     assert not LocalTime.unmeasured().measured
 
@@ -217,6 +230,33 @@ def test_local_work_on_a_thread_that_ended_still_counts_as_computing(grade) -> N
     assert test["extra_data"]["local_ratio"] >= 3.0
     assert test["score"] == 0
     assert "your local work, timed on this machine" in test["output"]
+
+
+@linux
+@pytest.mark.parametrize(
+    ("hidden", "honest", "figure", "least"),
+    [
+        # 0.3 s of CPU between the result frame's first 8 bytes and the rest: 1.00x before
+        ("half_sent_frames+coll_burns_in_result", "coll_burns", "cpu_seconds", 0.25),
+        # the same, on a thread, while the main thread holds the frame half-sent
+        ("half_sent_frames+coll_burns_on_a_thread", "coll_burns", "cpu_seconds", 0.25),
+        # two 50 ms sleeps, each inside a half-sent send frame: 1.00x before
+        ("half_sent_frames+coll_sleeps_in_send", "coll_sleeps", "outside_seconds", 0.07),
+    ],
+)
+def test_local_work_hidden_in_a_half_sent_frame_costs_what_its_honest_twin_loses(
+    grade, hidden: str, honest: str, figure: str, least: float
+) -> None:
+    """A rank's time is its own until its request has arrived whole, and after its result,
+    while the call goes on: the work its honest twin is charged is charged to it too."""
+    for name in (honest, hidden):
+        graded = grade(name, "collectives", k="performance[all_reduce]", world_sizes=(2,))
+        test = graded.test("performance[all_reduce]", 2)
+        assert test["extra_data"]["messages_ratio"] == pytest.approx(1.0), name
+        assert max(rank[figure] for rank in test["extra_data"]["local_time"]) >= least, name
+        assert test["extra_data"]["local_ratio"] >= 3.0, name
+        assert test["score"] == 0, name
+        assert "your local work, timed on this machine" in test["output"]
 
 
 @linux

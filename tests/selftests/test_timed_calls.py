@@ -16,6 +16,7 @@ from runner import REPO, SUBMISSIONS
 
 from grader import sandbox
 from grader.broker import accounting
+from grader.broker.traffic import RankWork
 from grader.course.submission import stage
 from grader.launch.job import job_settings
 from grader.launch.world import CallLimits, RankPool, World
@@ -64,3 +65,43 @@ def test_a_frame_begun_before_a_timed_call_leaves_it_measured(tmp_path: Path, na
             assert all(rank.cpu >= 0.25 for rank in work), [rank.cpu for rank in work]
     finally:
         pool.close()
+
+
+@linux
+def test_a_thread_that_works_after_its_rank_returned_is_charged_while_the_call_goes_on(
+    tmp_path: Path,
+) -> None:
+    """Rank 0 returns at once and its thread computes 0.3 s while rank 1 is still in the call:
+    that CPU is rank 0's, after its last operation (the broker read its clocks when its result
+    arrived, and never again)."""
+    work = _timed_twice(tmp_path, "returns_then_works", 0.3)
+    assert work[0].cpu >= 0.25, work[0]
+    assert work[0].tail >= 0.25, work[0]
+
+
+@linux
+def test_cpu_while_a_rank_waits_on_the_broker_never_covers_a_later_sleep(tmp_path: Path) -> None:
+    """Rank 0's thread computes 0.3 s while rank 0 waits for a message, then rank 0 sleeps
+    0.3 s: both are charged (the broker freed it with the figures it read before it, not
+    those of its wait's beginning, and the thread's CPU hid the sleep)."""
+    work = _timed_twice(tmp_path, "works_while_blocked", 0.3)
+    assert work[0].cpu >= 0.25, work[0]
+    assert work[0].outside >= 0.25, work[0]
+    assert work[0].tail >= 0.5, work[0]  # after its wait, its last operation
+
+
+def _timed_twice(tmp_path: Path, name: str, seconds: float) -> list[RankWork]:
+    """Rank 0's and rank 1's local work in the second of two timed calls of
+    ``accounting_attacks``' ``name``."""
+    stage(SUBMISSIONS / "accounting_attacks", tmp_path / "import")
+    pool = RankPool(2, job_settings(tmp_path, sandbox.Level.NONE, "cpu"))
+    try:
+        world = World(2, pool, CallLimits(timeout=60))
+        world.call(f"collectives.{name}", [(0.0,)] * 2)  # untimed: the job's start, the import
+        for _ in range(2):
+            out = world.call(f"collectives.{name}", [(seconds,)] * 2, timed=True)
+            work = out.traffic.local_work()
+            assert work is not None, "the call went unmeasured"
+    finally:
+        pool.close()
+    return work

@@ -1,10 +1,13 @@
 """Attacks on the broker's accounting of local time (``test_timed_calls.py``).
 
-The broker reads a rank's clocks when each of its frames begins to arrive, in a timed call
-only. A rank that could make a timed call's frames look as if they began before the call
-would go unmeasured, and its slow local work with it.
+The broker reads a rank's clocks when each of its frames has arrived, in a timed call only.
+A rank that could make a timed call's frames look as if they began before the call would go
+unmeasured, and its slow local work with it; one that worked on a thread of its own while it
+waited on the broker, or after it returned while the call went on, would hide that work if
+only its main thread's moments were read.
 """
 
+import threading
 import time
 
 import torch
@@ -16,9 +19,7 @@ from grader.rank import link
 
 def burn(seconds):
     """Honest but slow: ``seconds`` of CPU, then one message from rank 0 to rank 1."""
-    start = time.process_time()
-    while time.process_time() - start < seconds:
-        pass
+    _spin(seconds)
     x = torch.ones(4)
     if dist.get_rank() == 0:
         dist.send(x, 1)
@@ -53,3 +54,36 @@ def half_sent(seconds):
         current.post, current.finish = posting, finish
     current.finish()
     burn(seconds)
+
+
+def returns_then_works(seconds):
+    """Rank 0 returns at once, leaving a thread that computes ``seconds``; rank 1 returns only
+    after six times that (room for a loaded machine): the call goes on while rank 0's thread
+    works."""
+    if dist.get_rank() == 0:
+        threading.Thread(target=_spin, args=(seconds,), daemon=True).start()
+    else:
+        time.sleep(6 * seconds)
+
+
+def works_while_blocked(seconds):
+    """Rank 0 waits for rank 1's message while a thread of its own computes ``seconds``, then
+    sleeps as long: rank 1 sends after four times that. The thread's CPU is charged, and so is
+    the sleep, which that CPU must not cover."""
+    x = torch.ones(4)
+    if dist.get_rank() == 0:
+        worker = threading.Thread(target=_spin, args=(seconds,))
+        received = dist.irecv(x, 1)
+        worker.start()
+        received.wait()
+        worker.join()
+        time.sleep(seconds)
+    else:
+        time.sleep(4 * seconds)
+        dist.send(x, 0)
+
+
+def _spin(seconds):
+    end = time.thread_time() + seconds
+    while time.thread_time() < end:
+        pass
