@@ -105,3 +105,30 @@ def _timed_twice(tmp_path: Path, name: str, seconds: float) -> list[RankWork]:
     finally:
         pool.close()
     return work
+
+
+@linux
+@pytest.mark.parametrize(
+    ("hidden", "honest", "figure", "least"),
+    [
+        # 0.3 s of CPU between the result frame's first 8 bytes and the rest: 1.00x before
+        ("half_sent_frames+coll_burns_in_result", "coll_burns", "cpu_seconds", 0.25),
+        # the same, on a thread, while the main thread holds the frame half-sent
+        ("half_sent_frames+coll_burns_on_a_thread", "coll_burns", "cpu_seconds", 0.25),
+        # two 50 ms sleeps, each inside a half-sent send frame: 1.00x before
+        ("half_sent_frames+coll_sleeps_in_send", "coll_sleeps", "outside_seconds", 0.07),
+    ],
+)
+def test_local_work_hidden_in_a_half_sent_frame_costs_what_its_honest_twin_loses(
+    grade, hidden: str, honest: str, figure: str, least: float
+) -> None:
+    """A rank's time is its own until its request has arrived whole, and after its result,
+    while the call goes on: the work its honest twin is charged is charged to it too."""
+    for name in (honest, hidden):
+        graded = grade(name, "collectives", k="performance[all_reduce]", world_sizes=(2,))
+        test = graded.test("performance[all_reduce]", 2)
+        assert test["extra_data"]["messages_ratio"] == pytest.approx(1.0), name
+        assert max(rank[figure] for rank in test["extra_data"]["local_time"]) >= least, name
+        assert test["extra_data"]["local_ratio"] >= 3.0, name
+        assert test["score"] == 0, name
+        assert "your local work, timed on this machine" in test["output"]
