@@ -198,6 +198,6 @@ def without_bwrap(tmp_path: Path) -> dict[str, str]:
     for folder in os.environ["PATH"].split(os.pathsep):
         for tool in Path(folder).glob("*") if Path(folder).is_dir() else ():
             link = tools / tool.name
-            if tool.name != "bwrap" and not link.exists():
+            if tool.name != "bwrap" and not os.path.lexists(link):
                 link.symlink_to(tool)
     return {"PATH": str(tools)}
