@@ -30,7 +30,9 @@ workspace = Workspace(load_config())
 workspace.start(2)
 started = workspace.started
 torch_imported = "torch" in sys.modules
-time.sleep(3)  # its ranks connect meanwhile, and wait in their sockets' backlog
+deadline = time.monotonic() + 60  # torchrun imports torch, then starts the rank wrappers
+while len(descendants(os.getpid())) < 3 and time.monotonic() < deadline:
+    time.sleep(0.2)
 running = started.job.running()
 processes = descendants(os.getpid())  # torchrun, the rank wrappers, their sandboxes
 workspace.close()  # as on an interrupt during the grader's import of torch
