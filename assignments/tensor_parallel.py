@@ -5,7 +5,7 @@ default group); p = `dist.get_world_size(group)` and r = `dist.get_rank(group)`,
 inside the group, which picks the shard. Every rank of the group calls collectively. A
 dimension that p does not divide raises `ValueError` naming it, e.g. "out_features=10 is not
 divisible by the tensor-parallel size 4". The four region functions are autograd functions
-(one collective forward or backward); the layers shard a full `nn.Linear` exactly.
+(one collective forward or backward); each layer holds this rank's shard of a full one.
 
 Graded (`grader list tensor_parallel`; points in tests/graded/grading.yaml), at p = 1, 2, 4:
 full `nn.Linear` layers are sharded with your `from_linear`/`from_linears`, then one forward
@@ -26,7 +26,7 @@ Hints
       one needs no communication in between.
     - Implement each region function as a `torch.autograd.Function` subclass (Megatron names
       them _CopyToModelParallelRegion, ...) whose `backward` returns one gradient per input of
-      `forward` (None for `group`); the functions below call `YourFunction.apply(x, group)`.
+      `forward` (None for `group`); each function below returns `YourFunction.apply(x, group)`.
 """
 
 from __future__ import annotations
