@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from grader import protocol
+from grader.failures import Cause
 
 
 class Pass(enum.Enum):
@@ -102,8 +103,8 @@ class Verdict:
     ring: Ring | None = None
     seconds: float = 0.0
     case: str = ""  # the input case a failed call ran on, which its message names at the end
-    wrong_result: bool = False  # the test found a wrong value, shape or dtype (check_close)
-    cause: str = ""  # a failure's machine key (grader.failures.Cause); "" when it passed
+    cause: Cause | None = None  # what a failure is, for machines; None when it passed
+    check: str = ""  # which check of the cause failed (its place in the graded test), if known
 
     @property
     def passed(self) -> bool:
