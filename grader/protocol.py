@@ -58,6 +58,7 @@ import math
 import re
 import signal
 from dataclasses import dataclass, field
+from enum import Enum
 from pathlib import Path
 from typing import Any
 
@@ -109,6 +110,41 @@ RELAY_ONLY = (EXITED, BROKEN)
 REFUSED_ERROR = "BrokerRefused"
 
 MAX_TEXT = 2000
+
+
+class OpName(str, Enum):
+    """What an operation a rank posts is, by the name torch.distributed gives it: a message, a
+    wait for one, a mark, or a built-in collective. The broker's record, its rules and every
+    judge of a call compare against these, never against a string of their own."""
+
+    SEND = "send"
+    RECV = "recv"
+    WAIT = "wait"
+    MARK = "mark"
+    BARRIER = "barrier"
+    BROADCAST = "broadcast"
+    REDUCE = "reduce"
+    ALL_REDUCE = "all_reduce"
+    SCATTER = "scatter"
+    GATHER = "gather"
+    ALL_GATHER = "all_gather"
+    REDUCE_SCATTER = "reduce_scatter"
+    ALL_TO_ALL = "all_to_all"
+
+    __str__ = str.__str__  # "send" in a message, as the wire carries it
+    __format__ = str.__format__
+
+
+class Form(str, Enum):
+    """The calls of torch.distributed that are another layout of one collective: the whole
+    tensor cut into the pieces the collective (:class:`OpName`) moves."""
+
+    ALL_GATHER_INTO_TENSOR = "all_gather_into_tensor"
+    REDUCE_SCATTER_TENSOR = "reduce_scatter_tensor"
+    ALL_TO_ALL_SINGLE = "all_to_all_single"
+
+    __str__ = str.__str__
+    __format__ = str.__format__
 
 
 def rank_socket(socket_dir: Path, rank: int) -> Path:

@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 
 from grader.bench import p2p
+from grader.protocol import OpName
 
 
 @dataclass(frozen=True)
@@ -35,10 +36,10 @@ class CommLog(p2p.MessageLog):
         self.events: list[LoggedMessage] = []
 
     def on_send(self, peer: int, nbytes: int, tag: int) -> None:
-        self.events.append(LoggedMessage("send", peer, nbytes, tag, time.perf_counter()))
+        self.events.append(LoggedMessage(OpName.SEND, peer, nbytes, tag, time.perf_counter()))
 
     def on_recv(self, peer: int, nbytes: int, tag: int) -> None:
-        self.events.append(LoggedMessage("recv", peer, nbytes, tag, time.perf_counter()))
+        self.events.append(LoggedMessage(OpName.RECV, peer, nbytes, tag, time.perf_counter()))
 
     def messages(self) -> list[dict]:
         """The messages, in program order, as JSON-ready records."""

@@ -19,7 +19,7 @@ from grader.broker.connections import Connections
 from grader.broker.ops import LimitExceeded, Limits, Op, Problem, RankState, Returned, nbytes
 from grader.broker.traffic import Event, Traffic
 from grader.failures import Fault
-from grader.protocol import ProtocolError, RankError, TensorMeta, clean, field_int
+from grader.protocol import OpName, ProtocolError, RankError, TensorMeta, clean, field_int
 from grader.wire import Frame
 
 
@@ -62,7 +62,7 @@ class Matching(Connections):
         if (state.rank, op.id) in self._ops:
             raise ProtocolError("an operation id used twice")
         self._ops[(state.rank, op.id)] = op
-        if kind in ("send", "recv"):
+        if kind in (OpName.SEND, OpName.RECV):
             group = protocol.field_ranks(header, self.active)
             peer = field_int(header, "peer")
             op.peer = group[peer] if 0 <= peer < len(group) else -2 - peer
@@ -74,7 +74,7 @@ class Matching(Connections):
         if op.peer >= 0 and op.peer != op.rank:
             return True
         peer = op.group_peer
-        direction = "to" if op.kind == "send" else "from"
+        direction = "to" if op.kind == OpName.SEND else "from"
         reason = (
             "itself"
             if op.peer == op.rank
@@ -148,7 +148,7 @@ class Matching(Connections):
         op.done = True
         op.held = Frame({"type": protocol.DONE, "op": op.id}, buffers)
         self._ranks[op.rank].buffered += sum(map(len, buffers))
-        if op.waited or op.kind == "send":
+        if op.waited or op.kind == OpName.SEND:
             self._deliver(op)
 
     def _refuse(self, op: Op, message: str) -> None:
@@ -164,7 +164,7 @@ class Matching(Connections):
         state.buffered -= sum(map(len, frame.buffers))
         if op.rank < len(self.traffic.delivered):  # what came from other ranks
             self.traffic.delivered[op.rank] += sum(map(len, frame.buffers)) - op.echoed
-            if op.kind == "recv" and op.event >= 0:
+            if op.kind == OpName.RECV and op.event >= 0:
                 self.traffic.handed[(op.rank, op.event)] = len(self.traffic.per_rank[op.rank])
         woken = state.blocked_on is op and state.running and state.local.measured
         # Its figures just before the write that wakes it (a reading, some 10 µs, in a timed
@@ -292,8 +292,8 @@ def echoed(op: Op, position: int, outputs: list[bytes]) -> int:
     (``position``: its place in the group), which no other rank sent it: all of them in a
     group of one, or to a broadcast's root; its own piece of an all-gather or an all-to-all.
     A reduction's result depends on every member's input: none of it is the member's own."""
-    if len(op.group) == 1 or (op.kind == "broadcast" and op.collective.root == position):
+    if len(op.group) == 1 or (op.kind == OpName.BROADCAST and op.collective.root == position):
         return sum(map(len, outputs))
-    if op.kind in ("all_gather", "all_to_all") and position < len(outputs):
+    if op.kind in (OpName.ALL_GATHER, OpName.ALL_TO_ALL) and position < len(outputs):
         return len(outputs[position])
     return 0

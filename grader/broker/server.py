@@ -48,7 +48,7 @@ from grader.broker.ops import (
 )
 from grader.broker.traffic import Event, GatePass, Wait
 from grader.failures import Fault
-from grader.protocol import ProtocolError, RankError, RankExit, clean, field_int
+from grader.protocol import OpName, ProtocolError, RankError, RankExit, clean, field_int
 from grader.segment import settled
 from grader.wire import Frame
 
@@ -224,10 +224,10 @@ class Broker(Matching):
         if state.running:
             state.count(self.limits)
             label = clean(frame.header.get("label", ""), 80)
-            self.traffic.per_rank[state.rank].append(Event("mark", -1, 0, at=label))
+            self.traffic.per_rank[state.rank].append(Event(OpName.MARK, -1, 0, at=label))
 
     def rank_send(self, state: RankState, frame: Frame) -> None:
-        op = self._op(state, frame, "send")
+        op = self._op(state, frame, OpName.SEND)
         if len(frame.buffers) != 1 or op.meta is None:
             raise ProtocolError("a send carries exactly one tensor")
         check_payload(op.meta, frame.buffers[0], "a send")
@@ -241,7 +241,7 @@ class Broker(Matching):
             self._queue(self._sends, (op.rank, op.peer, op.tag), op)
 
     def rank_recv(self, state: RankState, frame: Frame) -> None:
-        op = self._op(state, frame, "recv")
+        op = self._op(state, frame, OpName.RECV)
         if self._check_peer(op):
             self._queue(self._recvs, (op.peer, op.rank, op.tag), op)
 
@@ -335,4 +335,4 @@ class Broker(Matching):
 def source(name: str, root: int, group: tuple[int, ...]) -> int:
     """The global rank a collective called ``name`` with group rank ``root`` broadcasts from;
     -1 if it is no broadcast, or its root is outside the group (the broker refuses it)."""
-    return group[root] if name == "broadcast" and 0 <= root < len(group) else -1
+    return group[root] if name == OpName.BROADCAST and 0 <= root < len(group) else -1

@@ -13,6 +13,7 @@ from time import monotonic
 from typing import Any
 
 from grader.broker.accounting import Gap, LocalTime
+from grader.protocol import OpName
 
 
 @dataclass(frozen=True)
@@ -142,7 +143,7 @@ class Traffic:
         count = 0
         for recorded, event, wait in self._records(rank):
             if wait is not None and wait.of in index:
-                entry = {"op": "wait", "of": index[wait.of]}
+                entry = {"op": OpName.WAIT, "of": index[wait.of]}
             elif wait is None and event.peer >= 0:
                 index[recorded[0]], entry = count, event.as_dict()
             else:
@@ -180,7 +181,7 @@ class Traffic:
         return [
             e
             for e in self.per_rank[rank]
-            if e.peer < 0 and e.op != "mark" and (not names or e.op in names)
+            if e.peer < 0 and e.op != OpName.MARK and (not names or e.op in names)
         ]
 
     @property
@@ -191,7 +192,7 @@ class Traffic:
     def among_all(self, event: Event) -> bool:
         """Whether the event is a message, a mark, or a collective of every rank of the call;
         not a collective of a smaller group (of one: what it carried never left its rank)."""
-        return event.peer >= 0 or event.op == "mark" or event.group == self.world
+        return event.peer >= 0 or event.op == OpName.MARK or event.group == self.world
 
     def exchanged(self, rank: int) -> list[Event]:
         """The rank's events, its collectives of any group but the whole call's left out: what
@@ -209,8 +210,8 @@ class Traffic:
         if passed is None:
             return None
         events = self.per_rank[rank]
-        operations = [e for e in events[: passed.after] if e.op != "mark"]
-        return operations, [e for e in events[passed.after :] if e.op != "mark"]
+        operations = [e for e in events[: passed.after] if e.op != OpName.MARK]
+        return operations, [e for e in events[passed.after :] if e.op != OpName.MARK]
 
     def handed_after(self, rank: int, event: int) -> int | None:
         """How many of the rank's events came before the broker handed it what its receive

@@ -19,17 +19,18 @@ from dataclasses import dataclass
 from typing import Any
 
 from grader.judge.replay import replay
+from grader.protocol import OpName
 
 # Bytes the busiest rank must send or receive, as a multiple of n, for p ranks.
 BANDWIDTH_BOUND = {
-    "all_reduce": lambda p: 2 * (p - 1) / p,
-    "all_gather": lambda p: (p - 1) / p,
-    "reduce_scatter": lambda p: (p - 1) / p,
-    "all_to_all": lambda p: (p - 1) / p,
-    "scatter": lambda p: (p - 1) / p,
-    "gather": lambda p: (p - 1) / p,
-    "broadcast": lambda p: 1.0,
-    "reduce": lambda p: 1.0,
+    OpName.ALL_REDUCE: lambda p: 2 * (p - 1) / p,
+    OpName.ALL_GATHER: lambda p: (p - 1) / p,
+    OpName.REDUCE_SCATTER: lambda p: (p - 1) / p,
+    OpName.ALL_TO_ALL: lambda p: (p - 1) / p,
+    OpName.SCATTER: lambda p: (p - 1) / p,
+    OpName.GATHER: lambda p: (p - 1) / p,
+    OpName.BROADCAST: lambda p: 1.0,
+    OpName.REDUCE: lambda p: 1.0,
 }
 # nccl-tests' bus bandwidth factors (busbw = algbw * factor) are these same ratios: busbw
 # is the bandwidth a rank's link sees when the collective moves exactly the bound.
@@ -60,11 +61,11 @@ class Figures:
 
 def figures(per_rank: list[list[dict[str, Any]]]) -> Figures:
     """Bytes, message count and rounds from every rank's logged events (program order)."""
-    sent = [sum(e["nbytes"] for e in events if e["op"] == "send") for events in per_rank]
-    received = [sum(e["nbytes"] for e in events if e["op"] == "recv") for events in per_rank]
+    sent = [sum(e["nbytes"] for e in events if e["op"] == OpName.SEND) for events in per_rank]
+    received = [sum(e["nbytes"] for e in events if e["op"] == OpName.RECV) for events in per_rank]
     traffic = [max(s, r) for s, r in zip(sent, received, strict=False)]
     busiest = max(range(len(traffic)), key=traffic.__getitem__) if traffic else 0
-    messages = sum(1 for events in per_rank for e in events if e["op"] == "send")
+    messages = sum(1 for events in per_rank for e in events if e["op"] == OpName.SEND)
     return Figures(
         traffic[busiest] if traffic else 0,
         busiest,

@@ -22,6 +22,8 @@ from collections import defaultdict, deque
 from collections.abc import Callable
 from typing import Any
 
+from grader.protocol import OpName
+
 Message = dict[str, Any]  # one point-to-point event of a rank, as Traffic.messages() gives it
 
 
@@ -63,15 +65,15 @@ def replay(
                     reached[rank] = index
                     before(rank, index)
                 op = event["op"]
-                if op == "send":
+                if op == OpName.SEND:
                     key = (rank, event["peer"], event["tag"])
                     sent[key].append(on_send(rank, event))
                     match(key)
-                elif op == "recv":
+                elif op == OpName.RECV:
                     key = (event["peer"], rank, event["tag"])
                     posted[key].append((rank, index))
                     match(key)
-                elif op == "wait" and _is_recv(events, event["of"]):
+                elif op == OpName.WAIT and _is_recv(events, event["of"]):
                     of = event["of"]
                     if of not in matched[rank]:
                         break  # its message is not replayed yet: come back to this rank later
@@ -85,7 +87,7 @@ def replay(
             raise ReplayError(_stuck(rank, events, events[position[rank]]["of"]))
         for of in sorted(set(matched[rank]) - waited[rank]):
             on_arrival(rank, events[of], matched[rank][of])
-        receives = [i for i, e in enumerate(events) if e["op"] == "recv"]
+        receives = [i for i, e in enumerate(events) if e["op"] == OpName.RECV]
         unmatched = [i for i in receives if i not in matched[rank]]
         if unmatched:
             raise ReplayError(_stuck(rank, events, unmatched[0]))
@@ -94,7 +96,7 @@ def replay(
 def _is_recv(events: list[Message], of: Any) -> bool:
     if not isinstance(of, int) or not 0 <= of < len(events):
         raise ReplayError(f"a wait for message {of!r}, which the log does not hold")
-    return events[of]["op"] == "recv"
+    return events[of]["op"] == OpName.RECV
 
 
 def _stuck(rank: int, events: list[Message], of: int) -> str:

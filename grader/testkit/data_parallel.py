@@ -19,6 +19,7 @@ from torch import Tensor, nn
 from grader.broker.ops import Gate
 from grader.broker.traffic import Event
 from grader.judge.call import CallResult
+from grader.protocol import OpName
 from grader.scenarios.data_parallel import DIM, TiedNet, build, tensors_of
 from grader.testkit.compare import carried, nearest
 from grader.testkit.data import generator
@@ -187,11 +188,11 @@ def all_reduces(out: CallResult, rank: int) -> list[Window]:
     iterations: list[Window] = []
     window = ""
     for event in out.traffic.exchanged(rank):
-        if event.op == "mark":
+        if event.op == OpName.MARK:
             if event.at == "backward":
                 iterations.append({"during": [], "after": []})
             window = {"backward": "during", "backward returned": "after"}.get(event.at, "")
-        elif event.op == "all_reduce" and window and iterations:
+        elif event.op == OpName.ALL_REDUCE and window and iterations:
             iterations[-1][window].append(event)
     return iterations
 
@@ -324,7 +325,7 @@ def carried_problem(out: CallResult, rank: int, full: list) -> str | None:
     mine = slices(full, rank, p)
     local = [gated_grads(x, y, gate_factor(rank, i)) for i, (x, y) in enumerate(mine, start=1)]
     want = torch.cat([g.reshape(-1) for grads in local for g in grads.values()]).sort().values
-    reduces = out.traffic.world_collectives(rank, "all_reduce")  # what reached the others
+    reduces = out.traffic.world_collectives(rank, OpName.ALL_REDUCE)  # what reached the others
     got = torch.cat([carried(e) for e in reduces] or [torch.zeros(0, dtype=torch.float64)])
     got = got.sort().values
     if got.shape == want.shape and close_in_float32(got, want):
