@@ -57,10 +57,14 @@ from __future__ import annotations
 import math
 import re
 import signal
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from grader.wire import Frame
 
 # Outcomes of a graded test.
 PASSED = "passed"
@@ -284,3 +288,44 @@ class RankExit:
     def stopped_by_grader(self) -> bool:
         """Killed as part of ending the job, not on its own (SIGKILL, SIGTERM)."""
         return self.status in (-9, -15)
+
+
+@dataclass(frozen=True)
+class CallRequest:
+    """One call a graded test asks of the ranks: the submission's ``function`` or the grader's
+    scenario (``target``, ``"part.name"``) on the first ``world_size`` ranks, rank r on
+    ``args[r]``, and how the broker records it. ``gates[r]``: the
+    :class:`grader.broker.ops.Gate` rank r's scenario passes, in order; ``fresh``: a test's
+    first call, for which every rank starts the submission afresh."""
+
+    world_size: int
+    target: str
+    args: Sequence[Sequence[Any]]
+    scenario: bool = False
+    case: str = ""  # the input case, which every message of a failed call names
+    gates: Sequence[Sequence[Any]] = ()
+    keep_payloads: bool = True
+    fresh: bool = False
+    timed: bool = False
+
+    @property
+    def part(self) -> str:
+        return self.target.split(".")[0]
+
+    def frames(self, call_id: int) -> list[Frame]:
+        """The CALL frame each rank gets: the target, its arguments packed for the wire."""
+        from grader import wire  # torch: only where a call is made
+
+        frames = []
+        for rank_args in self.args:
+            node, buffers = wire.pack(list(rank_args))
+            header = {
+                "type": CALL,
+                "call": call_id,
+                "world_size": self.world_size,
+                "scenario" if self.scenario else "function": self.target,
+                "args": node,
+                "fresh": self.fresh,
+            }
+            frames.append(wire.Frame(header, buffers))
+        return frames

@@ -13,6 +13,12 @@ from typing import Any, NamedTuple
 from grader import protocol
 from grader.failures import Cause
 
+#: What results.json's ``extra_data`` of a test holds of the grader's own
+#: (:mod:`grader.report.results`): no figure of a test may take these names.
+EXTRA_DATA_KEYS = frozenset(
+    {"part", "test", "target", "world_size", "kind", "outcome", "cause", "seconds", "fraction"}
+)
+
 
 class Pass(enum.Enum):
     """Which way a microbatch goes through a pipeline stage."""
