@@ -1,11 +1,11 @@
 """Every message between the trusted grader and a rank, declared in one place.
 
 Frames (:mod:`grader.wire`) carry a ``type``; each side handles a type with a
-method of its own (``broker_<type>`` on a rank, ``rank_<type>`` in the
-broker). What a rank says is untrusted: the broker reads it through the
-typed records below, which validate every field and clean every text (length
-capped, control characters removed) before it can reach a verdict, the
-terminal or results.json.
+method of its own (``broker_<type>`` on a rank; in the broker, the handler its table
+names, :class:`grader.broker.server.Broker`). What a rank says is untrusted: the
+broker reads it through the typed records below, which validate every field and clean
+every text (length capped, control characters removed) before it can reach a verdict,
+the terminal or results.json.
 
 Rank to broker::
 
