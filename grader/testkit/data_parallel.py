@@ -111,23 +111,9 @@ def gradient_problem(
 
     ``want`` holds the full batch's gradients, ``mine`` the rank's own, unreduced ones;
     ``unused`` names the parameters no rank used in this iteration (None or zero is right)."""
-    for name, w in want.items():
-        g = got.get(name)
-        if name in unused:
-            if isinstance(g, Tensor) and bool(g.any()):
-                return (
-                    f"parameter {name} was unused in this iteration on every rank, yet its "
-                    f"gradient after synchronization is nonzero (max abs {float(g.abs().max()):.3g}"
-                    "): leave it None, or zero: no stale or uninitialised values in a bucket"
-                )
-            continue
-        if w is None and g is not None:
-            return (
-                f"frozen parameter {name} (requires_grad=False) has a gradient: leave frozen "
-                "parameters out of the buckets and never give them a .grad"
-            )
-        if w is not None and g is None:
-            return f"parameter {name} has no gradient (.grad is None)"
+    problem = _missing_or_stray(got, want, unused)
+    if problem is not None:
+        return problem
     grads = {n: g for n, g in want.items() if g is not None and n not in unused}
     for name, w in grads.items():
         if isinstance(got[name], Tensor) and got[name].dtype != w.dtype:
@@ -167,6 +153,30 @@ def gradient_problem(
             "gradients keeps it; a buffer made with torch.zeros needs dtype=)"
         )
     return f"parameter {wrong[0]}'s gradient {difference(got[wrong[0]], grads[wrong[0]])}"
+
+
+def _missing_or_stray(
+    got: dict[str, Any], want: dict[str, Tensor | None], unused: Sequence[str]
+) -> str | None:
+    """A gradient where none belongs (an unused or frozen parameter's), or none where one does."""
+    for name, w in want.items():
+        g = got.get(name)
+        if name in unused:
+            if isinstance(g, Tensor) and bool(g.any()):
+                return (
+                    f"parameter {name} was unused in this iteration on every rank, yet its "
+                    f"gradient after synchronization is nonzero (max abs {float(g.abs().max()):.3g}"
+                    "): leave it None, or zero: no stale or uninitialised values in a bucket"
+                )
+            continue
+        if w is None and g is not None:
+            return (
+                f"frozen parameter {name} (requires_grad=False) has a gradient: leave frozen "
+                "parameters out of the buckets and never give them a .grad"
+            )
+        if w is not None and g is None:
+            return f"parameter {name} has no gradient (.grad is None)"
+    return None
 
 
 def param_problem(got: dict[str, Any], want: dict[str, Tensor]) -> str | None:

@@ -293,6 +293,14 @@ def check_traffic(
         f"returns the {received[rank] // (D * 4)} rows its experts processed, and backward "
         "mirrors both (no padding, no dropped pair sent)",
     )
+    check_pieces(case, data, kept, rank, rows)
+
+
+def check_pieces(
+    case: Case, data: list[Event], kept: Tensor, rank: int, rows: list[list[Tensor]]
+) -> None:
+    """What the rank's all-to-alls of token rows sent to each rank, and the rows they carried."""
+    what = case.describe()
     n, row = case.num_experts // case.p, D * 4
     dispatch = [int(kept[rank, n * j : n * (j + 1)].sum()) * row for j in range(case.p)]
     combine = [int(kept[j, n * rank : n * (rank + 1)].sum()) * row for j in range(case.p)]
