@@ -141,10 +141,10 @@ def _command(console: Console, args: argparse.Namespace, config: GradingConfig) 
         return _bench(console, args, modules)
     if args.command == "batch":
         return _batch(args, config, parts)
-    return _run(console, args, config, parts, modules)
+    return _grade_command(console, args, config, parts, modules)
 
 
-def _run(
+def _grade_command(
     console: Console,
     args: argparse.Namespace,
     config: GradingConfig,
