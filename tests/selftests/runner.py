@@ -133,15 +133,17 @@ def start_grader(
     env: dict[str, str] | None = None,
     python: str = sys.executable,
 ) -> subprocess.Popen[str]:
-    """`python -m grader ARGS`, started in a session of its own, its output piped; it ends
-    when the test process does."""
+    """`python -m grader ARGS` of this checkout (whatever the folder it runs in, and whichever
+    checkout is installed), started in a session of its own, its output piped; it ends when
+    the test process does."""
+    path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
     return subprocess.Popen(
         ends_with_the_tests([python, "-m", "grader", *args]),
         cwd=cwd,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-        env={**os.environ, "COLUMNS": "200", "NO_COLOR": "1", **(env or {})},
+        env={**os.environ, "PYTHONPATH": path, "COLUMNS": "200", "NO_COLOR": "1", **(env or {})},
         start_new_session=True,
     )
 
