@@ -36,6 +36,7 @@ from __future__ import annotations
 import time
 
 from grader import protocol, wire
+from grader.broker import memory
 from grader.broker.matching import Matching
 from grader.broker.ops import (
     CollectiveCall,
@@ -49,7 +50,7 @@ from grader.broker.ops import (
 from grader.broker.traffic import Event, GatePass, Wait
 from grader.failures import Fault
 from grader.protocol import ProtocolError, RankError, RankExit, clean, field_int
-from grader.segment import settled
+from grader.segment import SEGMENT_BYTES, settled
 from grader.wire import Frame
 
 
@@ -305,7 +306,8 @@ class Broker(Matching):
         gate, events = state.gates.pop(0), self.traffic.per_rank[state.rank]
         world = tuple(range(self.active))
         opened = any(gate.opened_by(e, world) for e in events[state.gate_from :])
-        self.traffic.gates[state.rank].append(GatePass(label, opened, len(events)))
+        resident = _resident(state) if gate.measure else None
+        self.traffic.gates[state.rank].append(GatePass(label, opened, len(events), resident))
         state.gate_from = len(events)
         self._complete(op, [gate.secret])
 
@@ -336,3 +338,9 @@ def source(name: str, root: int, group: tuple[int, ...]) -> int:
     """The global rank a collective called ``name`` with group rank ``root`` broadcasts from;
     -1 if it is no broadcast, or its root is outside the group (the broker refuses it)."""
     return group[root] if name == "broadcast" and 0 <= root < len(group) else -1
+
+
+def _resident(state: RankState) -> int | None:
+    """The rank's resident memory now, by the pid the kernel gave (None: reached by a relay)."""
+    pid = state.meter.pid if state.meter is not None else None
+    return memory.resident(pid, SEGMENT_BYTES if state.segment is not None else 0)

@@ -16,6 +16,7 @@ trains the very same module, with the same factors (:func:`scale_inputs`).
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Callable
 from types import ModuleType
 from typing import Any
@@ -24,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from grader.scenarios import gate
+from grader.scenarios import gate, measured_gate
 
 VOCAB, DIM, HIDDEN, OUT = 13, 10, 23, 9  # no size is divisible by every p in 2..4
 SEQ = 5  # tokens per row
@@ -156,3 +157,44 @@ def train(
         {k: v.detach().clone() for k, v in full.items()} if isinstance(full, dict) else None
     )
     return seen
+
+
+def tower(width: int, depth: int) -> nn.Sequential:
+    """``depth`` square Linear layers without bias, GELU between them; its weights drawn in
+    place (no other copy is ever made): a model whose full weights stand out in memory."""
+    with torch.device("meta"):
+        net = nn.Sequential(*[m for _ in range(depth) for m in (nn.Linear(width, width, False),
+                                                                nn.GELU())][:-1])  # fmt: skip
+    gen = torch.Generator().manual_seed(depth)
+    for layer in net[::2]:
+        weight = torch.empty(width, width).normal_(0.0, width**-0.5, generator=gen)
+        layer.weight = nn.Parameter(weight)
+    return net
+
+
+def hold(student: ModuleType, width: int, depth: int, rows: int, dtype: str, steps: int) -> None:
+    """``steps`` steps of plain SGD on a :func:`tower`, the broker reading the rank's memory at
+    each gate (:func:`grader.scenarios.measured_gate`): before the model exists, once it is
+    built, once wrapped, in each step after the forward, after the synchronization and after
+    the optimizer's step, and once everything is dropped. The step's input comes through its
+    gate."""
+    measured_gate("start")
+    net = tower(width, depth)
+    measured_gate("built")
+    model = student.FullyShardedDataParallel(net, compute_dtype=DTYPES[dtype])
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    measured_gate("wrapped")
+    for step in range(1, steps + 1):
+        x = gate(f"step {step} input").float().view(rows, width)
+        out = model(x)
+        measured_gate(f"step {step} forward")
+        out.float().pow(2).mean().backward()
+        del out
+        model.finish_gradient_synchronization()
+        measured_gate(f"step {step} synchronized")
+        opt.step()
+        opt.zero_grad()
+        measured_gate(f"step {step} rest")
+    del model, opt, net, x
+    gc.collect()
+    measured_gate("end")
