@@ -18,7 +18,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from grader.scenarios import gate, mark
+from grader.scenarios import gate, mark, measured_gate
 
 DIM = 8
 OPTIMIZERS: dict[str, tuple[type[torch.optim.Optimizer], dict[str, Any]]] = {
@@ -239,3 +239,27 @@ def sharded(
         kept = [i for i, q in enumerate(params) if q.grad is not None and bool(q.grad.any())]
         seen["kept"].append(kept)
     return seen
+
+
+def hold_state(student: ModuleType, width: int, depth: int, steps: int) -> None:
+    """``steps`` steps of the student's ShardedOptimizer(AdamW) over ``depth`` square
+    parameters (the same gradients on every rank), the broker reading the rank's memory at
+    each gate (:func:`grader.scenarios.measured_gate`): before the parameters exist, once
+    made, once the optimizer holds them, in each step once the gradients are set, after the
+    step and after ``zero_grad()``, and once everything is dropped."""
+    measured_gate("start")
+    gen = torch.Generator().manual_seed(depth)
+    params = [nn.Parameter(torch.empty(width, width).normal_(generator=gen)) for _ in range(depth)]
+    measured_gate("built")
+    opt = student.ShardedOptimizer(params, torch.optim.AdamW, lr=1e-3)
+    measured_gate("wrapped")
+    for step in range(1, steps + 1):
+        for q in params:
+            q.grad = torch.empty_like(q).normal_(generator=gen)
+        measured_gate(f"step {step} grads")
+        opt.step()
+        measured_gate(f"step {step} stepped")
+        opt.zero_grad()
+        measured_gate(f"step {step} rest")
+    del opt, params
+    measured_gate("end")

@@ -86,6 +86,26 @@ def fsdp(p: int, dtype: str) -> Promise:
     )
 
 
+def zero(p: int) -> Promise:
+    """ZeRO-1's: the parameters and their gradients whole, AdamW's two moments for about 1/p
+    of the elements (1/p plus one parameter: owners are whole parameters)."""
+    share = 2 * (FULL // p + LAYER)
+    allowed = {"built": FULL, "wrapped": FULL, "end": 0}
+    for step in range(1, STEPS + 1):
+        allowed[f"step {step} grads"] = 2 * FULL + (share if step > 1 else 0)
+        allowed.update(
+            {f"step {step} stepped": 2 * FULL + share, f"step {step} rest": 2 * FULL + share}
+        )
+    return Promise(
+        allowed,
+        FULL // 4,
+        "the parameters, their gradients and AdamW's state for this rank's 1/p of them",
+        f"AdamW's state for every parameter weighs {2 * FULL / MiB:.0f} MiB",
+        "ZeRO-1 keeps optimizer state only for the parameters a rank owns: its local optimizer "
+        "must see only those, and nothing may keep a state for the others",
+    )
+
+
 def broken(passes: list[GatePass], promise: Promise) -> str | None:
     """Why a rank's readings (``passes``) break ``promise``, or None."""
     labels = {"start", *promise.allowed}

@@ -14,7 +14,10 @@ unsharded optimizer stepping the same parameters here, in float64.
   build its optimizer, step and take part in every broadcast, without crashing.
 - ``sharded_optimizer_state``: each rank owns about 1/p of the state: the owners are read from
   the broker's record (who sent each updated value), and a second call gives each rank the
-  true gradient only of what it owns (see the test for which assignments pass).
+  true gradient only of what it owns (see the test for which assignments pass); a third call,
+  on 8 parameters of 4 MiB, has the broker read each rank's resident memory from the kernel
+  around every step: AdamW's state for more than about 1/p of them fails
+  (:mod:`grader.testkit.resident`).
 """
 
 from __future__ import annotations
@@ -27,7 +30,8 @@ import torch
 from torch import Tensor
 
 from grader.scenarios.data_parallel import FIRST_GROUP, FIRST_SETTINGS, SHARDED, param_groups
-from grader.testkit import CallResult, TestRecord, World, failures, generator, zero
+from grader.testkit import CallResult, TestRecord, World, failures, generator, resident, zero
+from grader.testkit.compare import on_every_rank, require
 from grader.testkit.explain import blame, close, difference
 
 SHAPES = [(4, 8), (8,), (6, 8), (20,), (6, 6), (24,), (5, 8)]  # 7 parameters, uneven sizes
@@ -303,6 +307,29 @@ def test_sharded_optimizer_state(world: World, record: TestRecord) -> None:
         ],
     )
     check_owners_only(world, inputs, owned, updated, record)
+    check_resident(world, record)
+
+
+def check_resident(world: World, record: TestRecord) -> None:
+    """A third call, on a larger model: the kernel's count of each rank's memory never shows
+    AdamW's state for more than about 1/p of the parameters (:mod:`grader.testkit.resident`)."""
+    p, sizes = world.size, (resident.WIDTH, resident.DEPTH, resident.STEPS)
+    held = world.call(
+        scenario="data_parallel.hold_state",
+        args=[sizes] * p,
+        case=f"ShardedOptimizer(AdamW) on {resident.MODEL}",
+        gates=[resident.gates(p, r, ("grads", "stepped", "rest"), False) for r in range(p)],
+        keep_payloads=False,
+    )
+    promise = resident.zero(p)
+
+    def check(r: int) -> None:
+        passes = held.traffic.gates[r]
+        record.details[f"resident rank {r}"] = {g.label: g.resident for g in passes if g.resident}
+        problem = resident.broken(passes, promise)
+        require(problem is None, f"ShardedOptimizer(AdamW) on {resident.MODEL}: {problem}")
+
+    on_every_rank(p, check)
 
 
 def check_owners_only(
