@@ -36,7 +36,10 @@ loss in float32) and the same factors.
 - ``communication``: from the broker's record: the forward's gathers in forward order, at most
   two layers ahead of the layer computing; the backward's in reverse order; one float32
   reduce-scatter of ``p*s`` elements per sharded parameter, carrying this rank's own gradient of
-  it (against the gradient of its rows computed here); the replicated gradients all-reduced;
+  it (against the gradient of its rows computed here), each posted during the backward: before
+  the next layer's backward has computed its input's gradient (a gate there hands the factor
+  on that gradient; the first layer, with none after it, is not judged so); the replicated
+  gradients all-reduced;
   the bytes moved within ``max_bytes_ratio`` of the bound (all-gather, all-gather of the Linear
   weights, reduce-scatter: about 3(p-1)/p of the sharded bytes, the gathers in the compute
   dtype, plus 2(p-1)/p of the replicated bytes).
@@ -53,7 +56,13 @@ from torch import Tensor
 from grader.scenarios.fully_sharded import DTYPES
 from grader.testkit import CallResult, TestOptions, TestRecord, World, resident
 from grader.testkit.compare import on_every_rank, require
-from grader.testkit.fsdp_record import bytes_bound, check_record, step_messages, step_of
+from grader.testkit.fsdp_record import (
+    bytes_bound,
+    check_record,
+    late_scatter,
+    step_messages,
+    step_of,
+)
 from grader.testkit.fully_sharded import (
     NUMEL,
     REPLICATED,
@@ -228,6 +237,8 @@ def test_communication(world: World, options: TestOptions, record: TestRecord, d
             local = local_grads(dtype, p, r, number)  # this rank's own gradients, once
             try:
                 total = step_messages(step_of(out.traffic, r, number), p, local, tolerance)
+                late = late_scatter(out.traffic, r, number, p)
+                require(late is None, str(late))
             except AssertionError as err:
                 raise AssertionError(f"{where}{err}") from None
             most = record.details.setdefault("bytes", {})

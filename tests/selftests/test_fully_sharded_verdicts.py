@@ -85,6 +85,19 @@ def test_full_weights_kept_by_the_wrapper_fail_memory_by_the_kernel(grade) -> No
     }
 
 
+def test_reduce_scatters_deferred_past_the_backward_fail_communication(grade) -> None:
+    """Every reduce-scatter posted in finish_gradient_synchronization(): right values and
+    bytes, but the gates in the backward show that none overlapped it."""
+    graded = grade("fsdp_deferred_reduce_scatter", PART, k="communication", world_sizes=(2,))
+    for dtype in ("float32", "float16"):
+        failed_because(
+            graded,
+            f"communication[{dtype}]",
+            "the reduce-scatter of head.weight, head.bias was not posted before fc2's backward",
+            "not in finish_gradient_synchronization()",
+        )
+
+
 def test_everything_gathered_up_front_fails_only_communication(grade) -> None:
     graded = grade("fsdp_gathers_up_front", PART, k="float32]", world_sizes=(2,))
     assert graded.outcome("memory_at_rest[float32]", 2) == "passed"
