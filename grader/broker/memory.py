@@ -14,6 +14,9 @@ read: a test that needs them fails, never passes.
 
 from __future__ import annotations
 
+from grader.broker.ops import RankState
+from grader.segment import SEGMENT_BYTES
+
 _FIELDS = (b"RssAnon", b"RssShmem")
 
 
@@ -36,3 +39,9 @@ def resident(pid: int | None, segment: int) -> int | None:
     if len(figures) != len(_FIELDS):
         return None
     return figures[b"RssAnon"] + max(0, figures[b"RssShmem"] - segment)
+
+
+def of_rank(state: RankState) -> int | None:
+    """The rank's resident memory now, by the pid the kernel gave (None: reached by a relay)."""
+    pid = state.meter.pid if state.meter is not None else None
+    return resident(pid, SEGMENT_BYTES if state.segment is not None else 0)
