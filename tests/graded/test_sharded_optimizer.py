@@ -244,13 +244,14 @@ def allowance(per_param: list[int], scalars: list[int], p: int) -> dict[str, int
     return {"allowed_by_count": by_count, "allowed_by_size": by_size}
 
 
-def received_limit(initial: list[Tensor], p: int) -> int:
-    """What a rank may be handed in the owners-only call: every parameter's update at every
-    step, plus padding to a multiple of p per parameter and a few bytes per step. What the
-    broker counts as handed to a rank leaves out its own bytes handed back (a broadcast root's
-    tensor, a group of one's whole result): only what other ranks sent it."""
-    per_step = sum(t.nbytes for t in initial) + p * len(initial) * 8 + 64
-    return SHARDED_STEPS * per_step
+def received_limit(initial: list[Tensor], p: int, mine: list[int]) -> int:
+    """What a rank may be handed in the owners-only call: at every step the updates of the
+    elements it does not own (``mine``: how many of each parameter's it owns), plus padding to
+    a multiple of p per parameter and a few bytes per step. What the broker counts as handed
+    to a rank leaves out its own bytes handed back (a broadcast root's tensor, a group of
+    one's whole result): only what other ranks sent it."""
+    others = sum(t.nbytes - n * t.element_size() for t, n in zip(initial, mine, strict=True))
+    return SHARDED_STEPS * (others + p * len(initial) * 8 + 64)
 
 
 OWNED_ONLY = (
@@ -356,17 +357,18 @@ def check_owners_only(
             "updates than in the first call: each parameter's owner must follow from the order "
             "parameters are added, the same in every call"
         )
-    limit, got = received_limit(inputs[0], p), second.traffic.delivered
-    record.details.update(received_bytes_per_rank=list(got), received_limit=limit)
+    limits = [received_limit(inputs[0], p, row) for row in owned.counts(p)]
+    got = second.traffic.delivered
+    record.details.update(received_bytes_per_rank=list(got), received_limit=limits)
     blame(
         what,
         [
             f"it was handed {mine} bytes in {SHARDED_STEPS} steps of the second call, more "
-            f"than the parameters' updates take (at most {limit} here): a rank that also gets "
-            "the others' gradients can keep their optimizer state, which ZeRO-1 leaves to "
-            "their owners"
+            f"than the updates of the parameters it does not own take (at most {limit} here): "
+            "a rank that also gets the others' gradients can keep their optimizer state, "
+            "which ZeRO-1 leaves to their owners"
             if mine > limit
             else None
-            for mine in got
+            for mine, limit in zip(got, limits, strict=True)
         ],
     )
