@@ -7,7 +7,10 @@ that cannot be made, or memory freed to hide a copy, is never granted.
 
 from __future__ import annotations
 
+import json
 import os
+
+from runner import Graded, materialize, run_grader
 
 from grader.broker import memory
 from grader.broker.traffic import GatePass
@@ -74,3 +77,16 @@ def test_the_whole_adamw_state_kept_fails_the_state_test(grade) -> None:
     assert "AdamW's state for every parameter weighs 64 MiB" in message, message
     honest = grade("reference", "data_parallel", k="state", world_sizes=(2,))
     assert honest.outcome("sharded_optimizer_state", 2) == "passed"
+
+
+def test_the_kernel_is_read_without_a_sandbox_too(tmp_path) -> None:
+    """At level none the ranks share the grader's pid namespace and uid: the broker's reading
+    is made there too (a reading it could not make would fail the test as well, so the
+    message must show the figure read)."""
+    submission = materialize("zero_keeps_all_state", tmp_path)
+    out = tmp_path / "results.json"
+    args = ["run", "data_parallel", "-k", "state", "--world-size", "2", "--sandbox", "none"]
+    run_grader([*args, "--submission", str(submission), "--results", str(out)])
+    graded = Graded(0, "", "", json.loads(out.read_text()))
+    message = graded.message("sharded_optimizer_state", 2)
+    assert "after step 1's optimizer step, the kernel counted 128.0 MiB" in message, message
