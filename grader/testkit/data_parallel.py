@@ -222,8 +222,7 @@ def overlap_problem(iterations: list[Window], i: int, bucket: str) -> str | None
         made = len(iterations[0]["before"] + iterations[0]["after"])
         again = f" (iteration 1 made {made}: reset the per-iteration state)" * (i > 0)
         return (
-            f"no all-reduce was called during backward and finish{again} (by the broker's "
-            "record of the grader's gates; of every rank, the "
+            f"no all-reduce was called during backward and finish{again} (of every rank, the "
             "default group's: an all-reduce of a smaller group, of the rank alone, reaches no "
             "other rank)"
         )
