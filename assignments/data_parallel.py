@@ -38,8 +38,8 @@ class DataParallel(nn.Module):
     Graded (`grader list data_parallel`): at p = 1, 2, 4, a model with a tied weight, a frozen
     layer and a buffer, set differently on every rank, trained with SGD and AdamW and several
     bucket sizes: parameters and gradients against one process on the whole batch (float64, to
-    1e-9). `overlap` (p = 2, 4): the first all-reduce starts before `backward()` returns, and
-    the all-reduces match the bucketing.
+    1e-9). `overlap` (p = 2, 4): a bucket's all-reduce starts before backward reaches the first
+    layer (unless there is one bucket), and the all-reduces match the bucketing.
 
     Hints
         - `param.register_post_accumulate_grad_hook(hook)` calls `hook(param)` once

@@ -63,12 +63,16 @@ class Gate:
     label: str
     secret: bytes  # the payload the gate's answer carries
     needs: tuple[float, ...] = ()  # nothing needed: always open
+    measure: bool = False  # the broker reads the rank's resident memory as it passes
 
     @classmethod
-    def handing(cls, label: str, tensor: torch.Tensor, needs: tuple[float, ...] = ()) -> Gate:
+    def handing(
+        cls, label: str, tensor: torch.Tensor, needs: tuple[float, ...] = (), measure: bool = False
+    ) -> Gate:
         """The gate ``label`` that hands over ``tensor`` (the scenario gets it in float64:
-        :func:`grader.scenarios.gate`)."""
-        return cls(label, tensor.detach().double().contiguous().numpy().tobytes(), needs)
+        :func:`grader.scenarios.gate`); ``measure``: see :mod:`grader.broker.memory`."""
+        secret = tensor.detach().double().contiguous().numpy().tobytes()
+        return cls(label, secret, needs, measure)
 
     def opened_by(self, event: Any, world: tuple[int, ...]) -> bool:
         """Whether ``event`` opens the gate: an all-reduce of the call's ranks ``world`` that

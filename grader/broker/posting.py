@@ -10,6 +10,7 @@ along. The broker (:class:`grader.broker.server.Broker`) calls these, under its 
 from __future__ import annotations
 
 from grader import protocol
+from grader.broker import memory
 from grader.broker.matching import Matching
 from grader.broker.ops import (
     CollectiveCall,
@@ -118,7 +119,10 @@ class Posting:
         gate, events = state.gates.pop(0), self.matching.traffic.per_rank[state.rank]
         world = tuple(range(self.matching.active))
         opened = any(gate.opened_by(e, world) for e in events[state.gate_from :])
-        self.matching.traffic.gates[state.rank].append(GatePass(label, opened, len(events)))
+        resident = memory.of_rank(state) if gate.measure else None
+        self.matching.traffic.gates[state.rank].append(
+            GatePass(label, opened, len(events), resident)
+        )
         state.gate_from = len(events)
         self.matching.complete(op, [gate.secret])
 

@@ -94,6 +94,9 @@ class GatePass:
     label: str
     opened: bool  # what the gate needs had been sent before it
     after: int  # how many of the rank's events were posted before it
+    # The rank's resident memory as it passed, in bytes (:mod:`grader.broker.memory`), where the
+    # gate asked for it; None otherwise, or where the kernel's figures could not be read.
+    resident: int | None = None
 
 
 @dataclass(frozen=True)

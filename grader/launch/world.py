@@ -102,7 +102,7 @@ class World:
         rank's local work (``out.traffic.local_work()``), for the performance tests."""
         if len(args) != self.size:
             raise ValueError(f"call needs arguments for {self.size} ranks, got {len(args)}")
-        if gates and not keep_payloads:
+        if any(g.needs for rank_gates in gates for g in rank_gates) and not keep_payloads:
             raise ValueError("gates open on what all-reduces carried: keep the payloads")
         request = protocol.CallRequest(
             self.size,

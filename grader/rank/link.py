@@ -149,16 +149,24 @@ class BrokerLink:
             op.on_done(frame)
         except Exception as err:  # a result that does not fit the student's tensor
             op.error = f"{type(err).__name__}: {err}"
+        # Done with: its closure refers to the op's Work, which refers to the op, and such a
+        # cycle would keep the op's tensors alive until Python's collector next runs.
+        op.on_done = _done_already
         op.done.set()
 
     def broker_refused(self, frame: Frame) -> None:
         op = self._pending.pop(frame.header["op"], None)
         if op is not None:
             op.error = str(frame.header.get("message", "refused by the grader"))
+            op.on_done = _done_already
             op.done.set()
 
     def broker_dump_stack(self, frame: Frame) -> None:
         self.post(protocol.STACK, frames=self.stack_reader())
+
+
+def _done_already(frame: Frame) -> None:
+    """An operation's handler once it has run."""
 
 
 def _bytes(payload: Payload) -> bytes:

@@ -14,11 +14,10 @@ from types import ModuleType
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from grader.scenarios import gate, mark
+from grader.scenarios import gate, measured_gate
 
 DIM = 8
 OPTIMIZERS: dict[str, tuple[type[torch.optim.Optimizer], dict[str, Any]]] = {
@@ -131,18 +130,6 @@ def train(
     return seen
 
 
-def _checkpoint(label: str) -> None:
-    """Mark ``label`` after every collective that any rank posted before this point.
-
-    The broker records a collective when its last rank posts it, so an all-reduce this rank
-    posted during backward could otherwise land after a mark made right after backward. A
-    barrier completes only once every rank has posted everything before it: the mark then
-    follows all of those, and an all-reduce posted only after the mark still follows it.
-    """
-    dist.barrier()
-    mark(label)
-
-
 class Gated(torch.autograd.Function):
     """The identity forward; in backward, the gradient times a factor only the broker holds.
 
@@ -164,28 +151,24 @@ class Gated(torch.autograd.Function):
 
 
 def overlap(
-    student: ModuleType, state: dict[str, Tensor], bucket_size_mb: float, batches: Batches
+    student: ModuleType, state: dict[str, Tensor], bucket_size_mb: float, rows: list[int]
 ) -> list[dict[str, Tensor | None]]:
-    """Backward and synchronization of each batch, between marks the test reads, through the
-    test's gate at the embedding's output (:class:`Gated`).
-
-    ``backward`` before ``loss.backward()``, ``backward returned`` right after it returned,
-    ``finished`` after ``finish_gradient_synchronization()``: the broker's record of the
-    all-reduces between them shows whether communication started during backward. Returns
-    every parameter's gradient after each synchronization (they are cleared between batches).
+    """Backward and synchronization of one batch per entry of ``rows`` (its rows on this
+    rank), through the test's gates: ``iteration i input`` hands over the batch (inputs, then
+    targets, flat), and the gate at the embedding's output (:class:`Gated`) is where backward
+    reaches the first layer. The broker's record of the all-reduces between these gates shows
+    which iteration each belongs to and whether it started during backward. Returns every
+    parameter's gradient after each synchronization (they are cleared between batches).
     """
     net, label = build(state), ["iteration 1"]
     net.embed.register_forward_hook(lambda module, args, out: Gated.apply(out, label[0]))
     dp = student.DataParallel(net, bucket_size_mb=bucket_size_mb)
     grads = []
-    for i, (x, y) in enumerate(batches, start=1):
+    for i, n in enumerate(rows, start=1):
+        x, y = gate(f"iteration {i} input").view(2, n, DIM).unbind()
         label[0] = f"iteration {i}"
-        loss = F.mse_loss(dp(x), y)
-        _checkpoint("backward")
-        loss.backward()
-        _checkpoint("backward returned")
+        F.mse_loss(dp(x), y).backward()
         dp.finish_gradient_synchronization()
-        _checkpoint("finished")
         grads.append(_grads(net))
         for q in net.parameters():
             q.grad = None
@@ -239,3 +222,27 @@ def sharded(
         kept = [i for i, q in enumerate(params) if q.grad is not None and bool(q.grad.any())]
         seen["kept"].append(kept)
     return seen
+
+
+def hold_state(student: ModuleType, width: int, depth: int, steps: int) -> None:
+    """``steps`` steps of the student's ShardedOptimizer(AdamW) over ``depth`` square
+    parameters (the same gradients on every rank), the broker reading the rank's memory at
+    each gate (:func:`grader.scenarios.measured_gate`): before the parameters exist, once
+    made, once the optimizer holds them, in each step once the gradients are set, after the
+    step and after ``zero_grad()``, and once everything is dropped."""
+    measured_gate("start")
+    gen = torch.Generator().manual_seed(depth)
+    params = [nn.Parameter(torch.empty(width, width).normal_(generator=gen)) for _ in range(depth)]
+    measured_gate("built")
+    opt = student.ShardedOptimizer(params, torch.optim.AdamW, lr=1e-3)
+    measured_gate("wrapped")
+    for step in range(1, steps + 1):
+        for q in params:
+            q.grad = torch.empty_like(q).normal_(generator=gen)
+        measured_gate(f"step {step} grads")
+        opt.step()
+        measured_gate(f"step {step} stepped")
+        opt.zero_grad()
+        measured_gate(f"step {step} rest")
+    del opt, params
+    measured_gate("end")

@@ -8,7 +8,8 @@ of the parameters between steps, the gathered parameters at the end.
 What the steps need comes only through the test's gates (:func:`gate`), so that the broker's
 record shows where the rank's code really was: each step's tokens where the embedding starts
 its forward, a factor on the input of every other sharded layer where it starts, the targets
-where the loss is computed, and the learning rate where the optimizer steps. The test places
+where the loss is computed, a factor on the gradient of each such input where the layer's
+backward has computed it, and the learning rate where the optimizer steps. The test places
 the broker's all-gathers and reduce-scatters between them; nothing the rank says is read.
 The model (:class:`Net`) is defined here once: the one-process oracle on the trusted side
 trains the very same module, with the same factors (:func:`scale_inputs`).
@@ -16,6 +17,7 @@ trains the very same module, with the same factors (:func:`scale_inputs`).
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Callable
 from types import ModuleType
 from typing import Any
@@ -24,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from grader.scenarios import gate
+from grader.scenarios import gate, measured_gate
 
 VOCAB, DIM, HIDDEN, OUT = 13, 10, 23, 9  # no size is divisible by every p in 2..4
 SEQ = 5  # tokens per row
@@ -86,12 +88,32 @@ def optimizer(name: str, params: Any) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=0.0, eps=1e-3, weight_decay=0.1)
 
 
-def scale_inputs(net: Net, factor: Callable[[int], float]) -> None:
+class _Scaled(torch.autograd.Function):
+    """The identity forward; in backward, the gradient times ``factor()``: on a rank a gate's
+    secret, so the backward really passes the gate there (the gradients of every layer below
+    depend on it), in the oracle the secret itself."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, factor: Callable[[], float]) -> Tensor:
+        ctx.factor = factor
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
+        return grad * ctx.factor(), None
+
+
+def scale_inputs(net: Net, factor: Callable[[int], float], back: Callable[[int], float]) -> None:
     """Multiply the input of every sharded layer after the embedding by ``factor(i)`` as its
     forward starts (after the wrapper's own hooks, which were registered first: its gathers,
-    and its cast to the compute dtype, come before)."""
+    and its cast to the compute dtype, come before), and the gradient of that input by
+    ``back(i)`` as the layer's backward has computed it."""
     for i, name in enumerate(SHARDED[1:], start=1):
-        getattr(net, name).register_forward_pre_hook(lambda _, args, i=i: (args[0] * factor(i),))
+
+        def hook(_: nn.Module, args: tuple, i: int = i) -> tuple:
+            return (_Scaled.apply(args[0] * factor(i), lambda: back(i)),)
+
+        getattr(net, name).register_forward_pre_hook(hook)
 
 
 def _shapes(net: nn.Module) -> dict[str, list[int]]:
@@ -134,7 +156,9 @@ def train(
     model = student.FullyShardedDataParallel(net, compute_dtype=DTYPES[dtype])
     gates = _Gates()
     net.embed.register_forward_pre_hook(lambda *_: (gates("tokens").long(),))
-    scale_inputs(net, lambda i: float(gates(SHARDED[i])))
+    scale_inputs(
+        net, lambda i: float(gates(SHARDED[i])), lambda i: float(gates(f"back {SHARDED[i]}"))
+    )
     opt = optimizer(optimizer_name, model.parameters())
     stand_in = torch.zeros(rows, SEQ, dtype=torch.long)
     seen: dict[str, Any] = {"grads": [], "after_forward": [], "at_rest": [_shapes(net)]}
@@ -156,3 +180,44 @@ def train(
         {k: v.detach().clone() for k, v in full.items()} if isinstance(full, dict) else None
     )
     return seen
+
+
+def tower(width: int, depth: int) -> nn.Sequential:
+    """``depth`` square Linear layers without bias, GELU between them; its weights drawn in
+    place (no other copy is ever made): a model whose full weights stand out in memory."""
+    with torch.device("meta"):
+        net = nn.Sequential(*[m for _ in range(depth) for m in (nn.Linear(width, width, False),
+                                                                nn.GELU())][:-1])  # fmt: skip
+    gen = torch.Generator().manual_seed(depth)
+    for layer in net[::2]:
+        weight = torch.empty(width, width).normal_(0.0, width**-0.5, generator=gen)
+        layer.weight = nn.Parameter(weight)
+    return net
+
+
+def hold(student: ModuleType, width: int, depth: int, rows: int, dtype: str, steps: int) -> None:
+    """``steps`` steps of plain SGD on a :func:`tower`, the broker reading the rank's memory at
+    each gate (:func:`grader.scenarios.measured_gate`): before the model exists, once it is
+    built, once wrapped, in each step after the forward, after the synchronization and after
+    the optimizer's step, and once everything is dropped. The step's input comes through its
+    gate."""
+    measured_gate("start")
+    net = tower(width, depth)
+    measured_gate("built")
+    model = student.FullyShardedDataParallel(net, compute_dtype=DTYPES[dtype])
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    measured_gate("wrapped")
+    for step in range(1, steps + 1):
+        x = gate(f"step {step} input").float().view(rows, width)
+        out = model(x)
+        measured_gate(f"step {step} forward")
+        out.float().pow(2).mean().backward()
+        del out
+        model.finish_gradient_synchronization()
+        measured_gate(f"step {step} synchronized")
+        opt.step()
+        opt.zero_grad()
+        measured_gate(f"step {step} rest")
+    del model, opt, net, x
+    gc.collect()
+    measured_gate("end")

@@ -9,6 +9,7 @@ communication overlapped the backward pass.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from typing import Any
 
@@ -192,27 +193,33 @@ Window = dict[str, list[Event]]
 
 
 def all_reduces(out: CallResult, rank: int) -> list[Window]:
-    """Per iteration, the broker's events of each all-reduce of every rank ``during`` backward
-    and ``after`` it returned (until finish returned), told apart by the scenario's marks; an
-    all-reduce of a smaller group (of one: it never left the rank) is none."""
+    """Per iteration, the rank's all-reduces of every rank posted ``before`` backward reached
+    the gate at the embedding and ``after`` it (until the next iteration's input was handed
+    over), placed by the broker's record of the gates (the marks a rank posts are its own
+    word, and never read); an all-reduce of a smaller group (of one: it never left the rank)
+    is none. Only the iterations whose two gates were passed."""
+    events, passed = out.traffic.per_rank[rank], {g.label: g.after for g in out.traffic.gates[rank]}
     iterations: list[Window] = []
-    window = ""
-    for event in out.traffic.exchanged(rank):
-        if event.op == OpName.MARK:
-            if event.at == "backward":
-                iterations.append({"during": [], "after": []})
-            window = {"backward": "during", "backward returned": "after"}.get(event.at, "")
-        elif event.op == OpName.ALL_REDUCE and window and iterations:
-            iterations[-1][window].append(event)
+    for i in itertools.count(1):
+        start, middle = passed.get(f"iteration {i} input"), passed.get(f"iteration {i}")
+        if start is None or middle is None:
+            return iterations
+        end = passed.get(f"iteration {i + 1} input", len(events))
+        window: Window = {"before": [], "after": []}
+        for at in range(start, end):
+            e = events[at]
+            if e.op == OpName.ALL_REDUCE and out.traffic.among_all(e):
+                window["before" if at < middle else "after"].append(e)
+        iterations.append(window)
     return iterations
 
 
 def overlap_problem(iterations: list[Window], i: int, bucket: str) -> str | None:
     """The first thing wrong with iteration ``i``'s all-reduces on one rank."""
-    reduces = iterations[i]["during"] + iterations[i]["after"]
+    reduces = iterations[i]["before"] + iterations[i]["after"]
     expected, carried = BUCKETS[bucket][1], sum(e.nbytes for e in reduces)
     if not reduces:
-        made = len(iterations[0]["during"] + iterations[0]["after"])
+        made = len(iterations[0]["before"] + iterations[0]["after"])
         again = f" (iteration 1 made {made}: reset the per-iteration state)" * (i > 0)
         return (
             f"no all-reduce was called during backward and finish{again} (of every rank, the "
@@ -228,13 +235,6 @@ def overlap_problem(iterations: list[Window], i: int, bucket: str) -> str | None
             f"hold {GRAD_BYTES} bytes of float64: the bucket is in a lower precision than the "
             "gradients: flatten each bucket in its gradients' dtype (torch.cat of the gradients "
             "keeps it; a buffer made with torch.zeros needs dtype=)"
-        )
-    if not iterations[i]["during"]:
-        return (
-            "the first gradient all-reduce was called after loss.backward() returned, so no "
-            "communication overlapped the backward pass: launch each bucket's all-reduce "
-            "(async_op=True) from a gradient hook as soon as all its gradients are ready, and "
-            "only wait for it in finish_gradient_synchronization()"
         )
     if len(reduces) != expected:
         return (
@@ -279,9 +279,10 @@ def gated_grads(x: Tensor, y: Tensor, factor: float) -> dict[str, Tensor]:
 
 
 def gates(full: list[tuple[Tensor, Tensor]], p: int, bucket: str) -> list[list[Gate]]:
-    """Rank r's gate at the embedding in each iteration: before it, backward has computed
-    head.bias's gradient (and hidden's), so its bucket's all-reduce must have started, unless
-    every gradient is in one bucket, which can only start once backward is done."""
+    """Rank r's gates in each iteration: its batch handed over before the forward, and the gate
+    at the embedding: before it, backward has computed head.bias's gradient (and hidden's), so
+    its bucket's all-reduce must have started, unless every gradient is in one bucket, which
+    can only start once backward is done."""
     out = []
     for r in range(p):
         mine = []
@@ -289,6 +290,7 @@ def gates(full: list[tuple[Tensor, Tensor]], p: int, bucket: str) -> list[list[G
             factor = gate_factor(r, i)
             needs = () if bucket == "one_bucket" else gated_grads(x, y, factor)["head.bias"]
             secret = torch.tensor([factor], dtype=torch.float64).numpy().tobytes()
+            mine.append(Gate.handing(f"iteration {i} input", torch.cat([x, y])))
             mine.append(Gate(f"iteration {i}", secret, tuple(map(float, needs))))
         out.append(mine)
     return out
@@ -298,11 +300,11 @@ def gate_problem(out: CallResult, rank: int, full: list, bucket: str) -> str | N
     """What the broker's gates prove wrong on ``rank``: a gate never passed, or passed before
     any all-reduce of the gradients already computed had started; and gradients that did not
     go through the gate's secret factor (its point was not really passed inside backward)."""
-    passes = out.traffic.gates[rank]
+    passes = {g.label: g for g in out.traffic.gates[rank]}
     for i in range(1, len(full) + 1):
-        if [g.label for g in passes][i - 1 : i] != [f"iteration {i}"]:
+        if f"iteration {i}" not in passes:
             return f"iteration {i}: the grader's gate at the embedding was never passed"
-        if not passes[i - 1].opened:
+        if bucket != "one_bucket" and not passes[f"iteration {i}"].opened:  # one: no needs
             return (
                 f"iteration {i}: backward reached the first layer (the embedding) before any "
                 "all-reduce of the gradients it had already computed (head.bias's, hidden's) "

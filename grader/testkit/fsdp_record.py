@@ -293,3 +293,31 @@ def step_messages(step: Step, p: int, local: dict[str, Tensor], tolerance: float
         problem = scatter_problem(e, p, local, tolerance)
         require(problem is None, str(problem))
     return sum(moved(e, p) for e in step.events)
+
+
+def late_scatter(traffic: Traffic, r: int, number: int, p: int) -> str | None:
+    """Why a layer's reduce-scatter was not posted during step ``number``'s backward, or None:
+    each layer's (the last ones' first) must be among rank ``r``'s operations before the next
+    layer's backward has computed its input's gradient (the gate ``back <layer>``, which that
+    gradient cannot be computed without). The first layer has no next one: it is not judged."""
+    passed = {g.label: g.after for g in traffic.gates[r]}
+    events = traffic.per_rank[r]
+    for i in range(len(SHARDED) - 1, 1, -1):
+        label = f"step {number} back {SHARDED[i - 1]}"
+        require(label in passed, f"step {number} never passed the grader's gate {label!r}")
+        begin = passed[f"step {number} targets"]
+        sizes = {
+            e.nbytes // ITEMSIZE.get(e.dtype, 4)
+            for e in events[begin : passed[label]]
+            if e.op == OpName.REDUCE_SCATTER and traffic.among_all(e)
+        }
+        late = [n for n in SHARDED_PARAMS if LAYER_OF[n] == i and shard_size(n, p) * p not in sizes]
+        if late:
+            return (
+                f"the reduce-scatter of {', '.join(late)} was not posted before "
+                f"{SHARDED[i - 1]}'s backward had finished (the broker saw it later, or never, "
+                f"against the grader's gate where {SHARDED[i - 1]}'s input gradient is "
+                "computed): reduce-scatter each layer's gradient as soon as autograd has "
+                "computed it, during the backward, not in finish_gradient_synchronization()"
+            )
+    return None

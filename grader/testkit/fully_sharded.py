@@ -74,6 +74,12 @@ def factors() -> dict[int, float]:
     return {i: 0.75 + 0.5 * float(torch.rand((), generator=gen)) for i in range(1, len(SHARDED))}
 
 
+def back_factors() -> dict[int, float]:
+    """The factor on the gradient of each of those inputs, from the secret seed."""
+    gen = generator("fully_sharded/back_factors")
+    return {i: 0.75 + 0.5 * float(torch.rand((), generator=gen)) for i in range(1, len(SHARDED))}
+
+
 def learning_rate(optimizer_name: str) -> float:
     """The step's learning rate, about the optimizer's usual one, from the secret seed."""
     gen = generator(f"fully_sharded/lr/{optimizer_name}")
@@ -82,8 +88,9 @@ def learning_rate(optimizer_name: str) -> float:
 
 def gates(p: int, r: int, optimizer_name: str) -> list[Gate]:
     """Rank ``r``'s gates, in the order its steps pass them: the tokens as the embedding starts,
-    each later layer's factor as it starts, the targets at the loss, the learning rate at the
-    optimizer's step (:func:`grader.scenarios.fully_sharded.train`)."""
+    each later layer's factor as it starts, the targets at the loss, each of those layers'
+    factor on its input's gradient as its backward has computed it (the last layer first),
+    the learning rate at the optimizer's step (:func:`grader.scenarios.fully_sharded.train`)."""
     tokens, targets = (t[rows(p, r)] for t in batch())
     lr = torch.tensor([learning_rate(optimizer_name)])
     out = []
@@ -92,6 +99,8 @@ def gates(p: int, r: int, optimizer_name: str) -> list[Gate]:
         for i, f in factors().items():
             out.append(Gate.handing(f"step {step} {SHARDED[i]}", torch.tensor([f])))
         out.append(Gate.handing(f"step {step} targets", targets))
+        for i, f in sorted(back_factors().items(), reverse=True):  # backward: the last first
+            out.append(Gate.handing(f"step {step} back {SHARDED[i]}", torch.tensor([f])))
         out.append(Gate.handing(f"step {step} lr", lr))
     return out
 
@@ -133,7 +142,7 @@ def _model(dtype: str) -> nn.Module:
                     a.to(c) if a.is_floating_point() else a for a in args
                 )
             )
-    scale_inputs(net, factors().__getitem__)
+    scale_inputs(net, factors().__getitem__, back_factors().__getitem__)
     return net
 
 

@@ -28,11 +28,18 @@ loss in float32) and the same factors.
   full weight, never everything at once), each layer's forward preceded by the gather of its
   parameters, and each Linear's backward by a gather again;
   the rank-side view of the module (the parameters' shapes after forward and between steps) can
-  fail this test, never pass it alone.
+  fail this test, never pass it alone. Then the kernel's count of each rank's memory
+  (:mod:`grader.testkit.resident`): a larger model (8 Linear layers, 32 MiB of float32 weights)
+  trained 2 steps, the broker reading the rank's resident memory at gates before the model
+  exists, once built, once wrapped, after each forward, synchronization and optimizer step:
+  above the shards (and their gradients) allow, half a full copy in the compute dtype fails.
 - ``communication``: from the broker's record: the forward's gathers in forward order, at most
   two layers ahead of the layer computing; the backward's in reverse order; one float32
   reduce-scatter of ``p*s`` elements per sharded parameter, carrying this rank's own gradient of
-  it (against the gradient of its rows computed here); the replicated gradients all-reduced;
+  it (against the gradient of its rows computed here), each posted during the backward: before
+  the next layer's backward has computed its input's gradient (a gate there hands the factor
+  on that gradient; the first layer, with none after it, is not judged so); the replicated
+  gradients all-reduced;
   the bytes moved within ``max_bytes_ratio`` of the bound (all-gather, all-gather of the Linear
   weights, reduce-scatter: about 3(p-1)/p of the sharded bytes, the gathers in the compute
   dtype, plus 2(p-1)/p of the replicated bytes).
@@ -47,9 +54,15 @@ import torch
 from torch import Tensor
 
 from grader.scenarios.fully_sharded import DTYPES
-from grader.testkit import CallResult, TestOptions, TestRecord, World
+from grader.testkit import CallResult, TestOptions, TestRecord, World, resident
 from grader.testkit.compare import on_every_rank, require
-from grader.testkit.fsdp_record import bytes_bound, check_record, step_messages, step_of
+from grader.testkit.fsdp_record import (
+    bytes_bound,
+    check_record,
+    late_scatter,
+    step_messages,
+    step_of,
+)
 from grader.testkit.fully_sharded import (
     NUMEL,
     REPLICATED,
@@ -71,6 +84,7 @@ PADDING_HINT = (
     "elements of the gathered p*s), and every gradient must be the mean over ranks"
 )
 CASES = [f"{opt}-{dtype}" for opt in ("sgd", "adamw") for dtype in DTYPES]
+HOLD_MOMENTS = ("forward", "synchronized", "rest")
 
 
 def train_call(world: World, optimizer_name: str, dtype: str, case: str) -> CallResult:
@@ -83,6 +97,19 @@ def train_call(world: World, optimizer_name: str, dtype: str, case: str) -> Call
         args=args,
         case=case,
         gates=[gates(p, r, optimizer_name) for r in range(p)],
+    )
+
+
+def hold_call(world: World, dtype: str) -> CallResult:
+    """Every rank trains a larger model (:func:`grader.scenarios.fully_sharded.hold`) while the
+    broker reads its memory at the gates; what it carried is not kept."""
+    p, sizes = world.size, (resident.WIDTH, resident.DEPTH, resident.ROWS)
+    return world.call(
+        scenario="fully_sharded.hold",
+        args=[(*sizes, dtype, resident.STEPS)] * p,
+        case=f"a larger model, compute_dtype={dtype}",
+        gates=[resident.gates(p, r, HOLD_MOMENTS, inputs=True) for r in range(p)],
+        keep_payloads=False,
     )
 
 
@@ -169,6 +196,7 @@ def test_gradient_shards(world: World, options: TestOptions, dtype: str) -> None
 def test_memory_at_rest(world: World, options: TestOptions, record: TestRecord, dtype: str) -> None:
     p = world.size
     out = train_call(world, "sgd", dtype, f"sgd-{dtype}")
+    held = hold_call(world, dtype)
 
     def check(r: int) -> None:
         seen = out.returned[r]
@@ -185,6 +213,10 @@ def test_memory_at_rest(world: World, options: TestOptions, record: TestRecord, 
         if p > 1:
             tolerance = options.tolerance_for(dtype)
             record.details[f"rank {r}"] = check_record(out, r, p, dtype, "memory", tolerance)
+        passes = held.traffic.gates[r]
+        record.details[f"resident rank {r}"] = {g.label: g.resident for g in passes if g.resident}
+        problem = resident.broken(passes, resident.fsdp(p, dtype))
+        require(problem is None, f"{resident.MODEL}, compute_dtype={dtype}: {problem}")
 
     on_every_rank(p, check)
 
@@ -205,6 +237,8 @@ def test_communication(world: World, options: TestOptions, record: TestRecord, d
             local = local_grads(dtype, p, r, number)  # this rank's own gradients, once
             try:
                 total = step_messages(step_of(out.traffic, r, number), p, local, tolerance)
+                late = late_scatter(out.traffic, r, number, p)
+                require(late is None, str(late))
             except AssertionError as err:
                 raise AssertionError(f"{where}{err}") from None
             most = record.details.setdefault("bytes", {})

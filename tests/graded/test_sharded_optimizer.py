@@ -14,7 +14,10 @@ unsharded optimizer stepping the same parameters here, in float64.
   build its optimizer, step and take part in every broadcast, without crashing.
 - ``sharded_optimizer_state``: each rank owns about 1/p of the state: the owners are read from
   the broker's record (who sent each updated value), and a second call gives each rank the
-  true gradient only of what it owns (see the test for which assignments pass).
+  true gradient only of what it owns (see the test for which assignments pass); a third call,
+  on 8 parameters of 4 MiB, has the broker read each rank's resident memory from the kernel
+  around every step: AdamW's state for more than about 1/p of them fails
+  (:mod:`grader.testkit.resident`).
 """
 
 from __future__ import annotations
@@ -27,7 +30,8 @@ import torch
 from torch import Tensor
 
 from grader.scenarios.data_parallel import FIRST_GROUP, FIRST_SETTINGS, SHARDED, param_groups
-from grader.testkit import CallResult, TestRecord, World, failures, generator, zero
+from grader.testkit import CallResult, TestRecord, World, failures, generator, resident, zero
+from grader.testkit.compare import on_every_rank, require
 from grader.testkit.explain import blame, close, difference
 
 SHAPES = [(4, 8), (8,), (6, 8), (20,), (6, 6), (24,), (5, 8)]  # 7 parameters, uneven sizes
@@ -240,13 +244,14 @@ def allowance(per_param: list[int], scalars: list[int], p: int) -> dict[str, int
     return {"allowed_by_count": by_count, "allowed_by_size": by_size}
 
 
-def received_limit(initial: list[Tensor], p: int) -> int:
-    """What a rank may be handed in the owners-only call: every parameter's update at every
-    step, plus padding to a multiple of p per parameter and a few bytes per step. What the
-    broker counts as handed to a rank leaves out its own bytes handed back (a broadcast root's
-    tensor, a group of one's whole result): only what other ranks sent it."""
-    per_step = sum(t.nbytes for t in initial) + p * len(initial) * 8 + 64
-    return SHARDED_STEPS * per_step
+def received_limit(initial: list[Tensor], p: int, mine: list[int]) -> int:
+    """What a rank may be handed in the owners-only call: at every step the updates of the
+    elements it does not own (``mine``: how many of each parameter's it owns), plus padding to
+    a multiple of p per parameter and a few bytes per step. What the broker counts as handed
+    to a rank leaves out its own bytes handed back (a broadcast root's tensor, a group of
+    one's whole result): only what other ranks sent it."""
+    others = sum(t.nbytes - n * t.element_size() for t, n in zip(initial, mine, strict=True))
+    return SHARDED_STEPS * (others + p * len(initial) * 8 + 64)
 
 
 OWNED_ONLY = (
@@ -303,6 +308,29 @@ def test_sharded_optimizer_state(world: World, record: TestRecord) -> None:
         ],
     )
     check_owners_only(world, inputs, owned, updated, record)
+    check_resident(world, record)
+
+
+def check_resident(world: World, record: TestRecord) -> None:
+    """A third call, on a larger model: the kernel's count of each rank's memory never shows
+    AdamW's state for more than about 1/p of the parameters (:mod:`grader.testkit.resident`)."""
+    p, sizes = world.size, (resident.WIDTH, resident.DEPTH, resident.STEPS)
+    held = world.call(
+        scenario="data_parallel.hold_state",
+        args=[sizes] * p,
+        case=f"ShardedOptimizer(AdamW) on {resident.MODEL}",
+        gates=[resident.gates(p, r, ("grads", "stepped", "rest"), False) for r in range(p)],
+        keep_payloads=False,
+    )
+    promise = resident.zero(p)
+
+    def check(r: int) -> None:
+        passes = held.traffic.gates[r]
+        record.details[f"resident rank {r}"] = {g.label: g.resident for g in passes if g.resident}
+        problem = resident.broken(passes, promise)
+        require(problem is None, f"ShardedOptimizer(AdamW) on {resident.MODEL}: {problem}")
+
+    on_every_rank(p, check)
 
 
 def check_owners_only(
@@ -329,17 +357,18 @@ def check_owners_only(
             "updates than in the first call: each parameter's owner must follow from the order "
             "parameters are added, the same in every call"
         )
-    limit, got = received_limit(inputs[0], p), second.traffic.delivered
-    record.details.update(received_bytes_per_rank=list(got), received_limit=limit)
+    limits = [received_limit(inputs[0], p, row) for row in owned.counts(p)]
+    got = second.traffic.delivered
+    record.details.update(received_bytes_per_rank=list(got), received_limit=limits)
     blame(
         what,
         [
             f"it was handed {mine} bytes in {SHARDED_STEPS} steps of the second call, more "
-            f"than the parameters' updates take (at most {limit} here): a rank that also gets "
-            "the others' gradients can keep their optimizer state, which ZeRO-1 leaves to "
-            "their owners"
+            f"than the updates of the parameters it does not own take (at most {limit} here): "
+            "a rank that also gets the others' gradients can keep their optimizer state, "
+            "which ZeRO-1 leaves to their owners"
             if mine > limit
             else None
-            for mine in got
+            for mine, limit in zip(got, limits, strict=True)
         ],
     )

@@ -168,12 +168,15 @@ STRATEGY_ATTACKS = {
     "dp_decoy_overlap": ("data_parallel", "overlap"),
     "zero_hidden_unsharded": ("data_parallel", "sharded_optimizer_state"),
     "zero_decoy_broadcasts": ("data_parallel", "sharded_optimizer_state"),
+    "zero_keeps_all_state": ("data_parallel", "sharded_optimizer_state"),
     "tp_mlp_decoy": ("tensor_parallel", "parallel_mlp_communication"),
     "tp_early_gate": ("tensor_parallel", "parallel_mlp_communication"),
     "pp_forged_timeline": ("pipeline_parallel", "one_f_one_b_schedule"),
     "pp_asked_early": ("pipeline_parallel", "schedule"),
     "fsdp_decoy_gathers": ("fully_sharded", "communication"),
     "fsdp_forged_marks": ("fully_sharded", "communication"),
+    "fsdp_keeps_in_a_list": ("fully_sharded", "memory_at_rest"),
+    "fsdp_deferred_reduce_scatter": ("fully_sharded", "communication"),
     "ep_decoy_combine": ("expert_parallel", "communication"),
 }
 

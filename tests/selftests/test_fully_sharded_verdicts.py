@@ -67,6 +67,37 @@ def test_full_weights_kept_after_forward_fail_memory(grade) -> None:
         )
 
 
+def test_full_weights_kept_by_the_wrapper_fail_memory_by_the_kernel(grade) -> None:
+    """Full weights kept in a list of the wrapper's own: the parameters' shapes and the
+    broker's record are right; the rank's memory, as the kernel counts it, is not."""
+    graded = grade("fsdp_keeps_in_a_list", PART, k="memory", world_sizes=(2,))
+    for dtype, full in (("float32", "32"), ("bfloat16", "16")):
+        failed_because(
+            graded,
+            f"memory_at_rest[{dtype}]",
+            "after step 1's forward returned",
+            f"the full weights weigh {full} MiB",
+            "nor the wrapper's own references",
+        )
+    full_marks = grade("reference", PART, k="memory", world_sizes=(2,))
+    assert {full_marks.outcome(f"memory_at_rest[{d}]", 2) for d in ("float32", "bfloat16")} == {
+        "passed"
+    }
+
+
+def test_reduce_scatters_deferred_past_the_backward_fail_communication(grade) -> None:
+    """Every reduce-scatter posted in finish_gradient_synchronization(): right values and
+    bytes, but the gates in the backward show that none overlapped it."""
+    graded = grade("fsdp_deferred_reduce_scatter", PART, k="communication", world_sizes=(2,))
+    for dtype in ("float32", "float16"):
+        failed_because(
+            graded,
+            f"communication[{dtype}]",
+            "the reduce-scatter of head.weight, head.bias was not posted before fc2's backward",
+            "not in finish_gradient_synchronization()",
+        )
+
+
 def test_everything_gathered_up_front_fails_only_communication(grade) -> None:
     graded = grade("fsdp_gathers_up_front", PART, k="float32]", world_sizes=(2,))
     assert graded.outcome("memory_at_rest[float32]", 2) == "passed"
