@@ -27,7 +27,7 @@ from grader.course.options import OptionError, TestOptions
 from grader.sandbox import DEFAULT_MEMORY, DEFAULT_SCRATCH, MiB
 
 CONFIG_ENV = "GRADER_CONFIG"
-_RELATIVE_CONFIG = Path("tests") / "graded" / "grading.yaml"
+RELATIVE_CONFIG = Path("tests") / "graded" / "grading.yaml"
 _PACKAGE_CHECKOUT = Path(__file__).resolve().parents[2]
 
 
@@ -48,13 +48,13 @@ def find_config(explicit: Path | None = None, cwd: Path | None = None) -> Path:
         return Path(os.environ[CONFIG_ENV]).expanduser().resolve()
     here = (cwd or Path.cwd()).resolve()
     for folder in (here, *here.parents):
-        if (folder / _RELATIVE_CONFIG).is_file():
-            return folder / _RELATIVE_CONFIG
-    if (_PACKAGE_CHECKOUT / _RELATIVE_CONFIG).is_file():
-        return _PACKAGE_CHECKOUT / _RELATIVE_CONFIG
+        if (folder / RELATIVE_CONFIG).is_file():
+            return folder / RELATIVE_CONFIG
+    if (_PACKAGE_CHECKOUT / RELATIVE_CONFIG).is_file():
+        return _PACKAGE_CHECKOUT / RELATIVE_CONFIG
     raise ConfigError(
         "cannot find the grading configuration: run grader inside the course directory "
-        f"(the one holding {_RELATIVE_CONFIG}), or name it with --config FILE or {CONFIG_ENV}"
+        f"(the one holding {RELATIVE_CONFIG}), or name it with --config FILE or {CONFIG_ENV}"
     )
 
 
@@ -113,7 +113,7 @@ def _initial_config() -> Path:
     try:
         return find_config()
     except (ConfigError, OSError):
-        return _PACKAGE_CHECKOUT / _RELATIVE_CONFIG
+        return _PACKAGE_CHECKOUT / RELATIVE_CONFIG
 
 
 DEFAULT_CONFIG = _initial_config()

@@ -39,11 +39,27 @@ def interpreter() -> list[Path]:
     """What the ranks need back: Python, and the directories it imports packages from (torch),
     but not the directory the grader was started in, nor anything inside the course."""
     found = [Path(sys.base_prefix), Path(sys.prefix)]
-    for entry in sys.path[1:]:
-        path = Path(entry).resolve() if entry else None
-        if path and path.is_dir() and not path.is_relative_to(course.REPO_ROOT.resolve()):
-            found.append(path)
+    found += [path for path in import_folders() if path.is_dir()]
     return list(dict.fromkeys(found))
+
+
+def import_folders() -> list[Path]:
+    """The folders on the interpreter's path (``sys.path`` but the first, the folder it was
+    started in) that the ranks may read: none inside the course or holding it, and none
+    that is a course checkout of its own (``assignments/`` or a grading configuration in it:
+    an instructor's ``PYTHONPATH`` pointing at the grader's checkout, with its reference)."""
+    repo = course.REPO_ROOT.resolve()
+    found = []
+    for entry in filter(None, sys.path[1:]):
+        path = Path(entry).resolve()
+        if path.is_relative_to(repo) or repo.is_relative_to(path) or _holds_a_course(path):
+            continue
+        found.append(path)
+    return found
+
+
+def _holds_a_course(path: Path) -> bool:
+    return (path / "assignments").is_dir() or (path / course.RELATIVE_CONFIG).is_file()
 
 
 #: What the dynamic loader and the C library read at a process's start and after: the shared
@@ -78,11 +94,7 @@ def interpreter_files() -> list[Path]:
     paths = sysconfig.get_paths()
     found = [Path(sys.executable), Path(sys.executable).resolve()]
     found += [Path(paths[key]) for key in ("stdlib", "platstdlib", "purelib", "platlib")]
-    repo = course.REPO_ROOT.resolve()
-    for entry in sys.path[1:]:
-        path = Path(entry).resolve() if entry else None
-        if path and path.exists() and not path.is_relative_to(repo):
-            found.append(path)
+    found += import_folders()
     return [p for p in dict.fromkeys(found) if p.exists()]
 
 

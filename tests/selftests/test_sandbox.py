@@ -40,7 +40,8 @@ from sandbox_probe import (
 )
 
 from grader import sandbox
-from grader.sandbox import Level, SandboxError, identity
+from grader.course import config as course
+from grader.sandbox import Level, SandboxError, identity, view
 
 
 @pytest.fixture
@@ -287,3 +288,31 @@ def test_a_rank_wrapper_whose_torchrun_is_gone_starts_nothing(tmp_path: Path) ->
         timeout=60,
     )
     assert (done.returncode, done.stderr) == (137, "")
+
+
+def test_no_course_checkout_on_the_import_path_is_readable(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An instructor's PYTHONPATH may name the grader's checkout (with its reference), the
+    folder above the course, or a folder inside it: the ranks read none of them, and still
+    read the interpreter's own package folders."""
+    checkout = tmp_path / "grader-checkout"
+    (checkout / "tests" / "graded").mkdir(parents=True)
+    (checkout / "tests" / "graded" / "grading.yaml").write_text("parts: {}\n")
+    (checkout / "reference").mkdir()
+    other_course = tmp_path / "course-copy"
+    (other_course / "assignments").mkdir(parents=True)
+    packages = tmp_path / "packages"
+    packages.mkdir()
+    course_dir = course.REPO_ROOT
+    entries = [
+        str(checkout),
+        str(other_course),
+        str(course_dir.parent),
+        str(course_dir / "reference"),
+    ]
+    monkeypatch.setattr(sys, "path", [sys.path[0], *entries, str(packages), *sys.path[1:]])
+    readable = {*view.interpreter(), *view.interpreter_files()}
+    for entry in entries:
+        assert Path(entry).resolve() not in readable, entry
+    assert packages.resolve() in readable
