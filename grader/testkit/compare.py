@@ -15,8 +15,9 @@ from collections.abc import Callable, Sequence
 import torch
 
 from grader.broker.traffic import Event
+from grader.testkit.patterns import Expected, explain
+from grader.tolerances import ROUNDING_ULPS as FLOAT_TOLERANCE_ULPS
 
-FLOAT_TOLERANCE_ULPS = 4.0
 UNCHANGED = (
     "it came back unchanged: nothing was received into it, or the result was never copied "
     "back into it with copy_"
@@ -32,7 +33,12 @@ _MAX_DIGITS = 17  # enough to tell any two distinct doubles apart
 
 class WrongResult(AssertionError):
     """A result that is not the expected one (its values, shape or dtype): the summary takes
-    every wrong result of a function as one cause, whatever its numbers."""
+    every wrong result of a function as one cause, whatever its numbers. ``reason``: the
+    usual mistake that accounts for it, when one does."""
+
+    def __init__(self, message: str, reason: str = "") -> None:
+        super().__init__(message)
+        self.reason = reason
 
 
 def tolerance(
@@ -72,6 +78,7 @@ def check_close(
     terms: int = 1,
     explanations: dict[str, torch.Tensor] | Callable[[], dict[str, torch.Tensor]] | None = None,
     before: torch.Tensor | None = None,
+    context: Expected | None = None,
 ) -> None:
     """Raise :class:`WrongResult` naming the first wrong element of ``actual``, and why.
 
@@ -79,7 +86,8 @@ def check_close(
     expected element (for the float tolerance); ``explanations``: what the
     tensor would hold after each usual mistake, by a phrase describing it;
     ``before``: the tensor's contents before the call, i.e. the rank's own input
-    (to recognise a tensor that came back unchanged).
+    (to recognise a tensor that came back unchanged); ``context``: what else the
+    trusted side expects, for the patterns of :mod:`grader.testkit.patterns`.
     """
     if actual.shape != expected.shape:
         raise WrongResult(
@@ -105,9 +113,13 @@ def check_close(
     if callable(explanations):  # made only when needed: they cost as much as the check
         explanations = explanations()
     reason = _explain(got, wrong, allowed, explanations or {}, before)
+    if not reason:
+        shaped = [t.reshape(expected.shape) for t in (got, want, wrong)]
+        bound = allowed.reshape(expected.shape) if isinstance(allowed, torch.Tensor) else allowed
+        reason = explain(*shaped, bound, context or Expected())
     if not reason and expected.dtype.is_floating_point:
         reason = _precision(got, want, wrong, index, allowed, scale, terms, expected.dtype)
-    raise WrongResult(message + (f" ({reason})" if reason else ""))
+    raise WrongResult(message + (f" ({reason})" if reason else ""), reason)
 
 
 def check_unchanged(actual: torch.Tensor, original: torch.Tensor, what: str) -> None:
@@ -173,8 +185,11 @@ def _precision(
     lower = LOWER_PRECISION.get(dtype)
     if lower is None:
         return figures
+    # Said only where the values support it: every wrong one is a value of the lower dtype
+    # (what a sum kept in it returns), within that dtype's rounding of the expected.
     lower_allowed = tolerance(lower, scale, terms)
-    if bool(((got - want).abs() <= lower_allowed)[wrong].all()):
+    representable = got[wrong] == got[wrong].to(lower).double()
+    if bool(representable.all()) and bool(((got - want).abs() <= lower_allowed)[wrong].all()):
         low, high = str(lower).removeprefix("torch."), str(dtype).removeprefix("torch.")
         return (
             f"{figures}: an error the size of {low}'s rounding, so likely accumulated in a "

@@ -1,8 +1,8 @@
 """Comparing float64 results with a one-process oracle, and blaming the ranks that differ.
 
 The strategy parts (data parallelism, the sharded optimizer) check every rank's result against
-the same work done here in float64: any honest summation order agrees to ~1e-15, so a tolerance
-of 1e-9 leaves no bug unseen, and anything within 1e-5 but not 1e-9 is float32 arithmetic.
+the same work done here in float64, within :data:`grader.tolerances.FLOAT64_ORACLE`; anything
+within :data:`~grader.tolerances.FLOAT32` but not that is float32 arithmetic.
 """
 
 from __future__ import annotations
@@ -14,20 +14,17 @@ import torch
 from torch import Tensor
 
 from grader.testkit.compare import format_pair
+from grader.tolerances import FLOAT32, FLOAT64_ORACLE, Tolerance
 
 
-def close(got: Any, want: Tensor, tolerance: float = 1e-9) -> bool:
-    """``got`` is a tensor of ``want``'s shape within ``tolerance`` (relative, plus absolute)."""
-    return (
-        isinstance(got, Tensor)
-        and got.shape == want.shape
-        and bool(((got.double() - want.double()).abs() <= tolerance * (1 + want.abs())).all())
-    )
+def close(got: Any, want: Tensor, tolerance: Tolerance = FLOAT64_ORACLE) -> bool:
+    """``got`` is a tensor of ``want``'s shape within ``tolerance``."""
+    return isinstance(got, Tensor) and got.shape == want.shape and tolerance.holds(got, want)
 
 
 def close_in_float32(got: Any, want: Tensor) -> bool:
     """Within float32's precision of ``want`` (a float64 result computed in float32 somewhere)."""
-    return close(got, want, 1e-5)
+    return close(got, want, FLOAT32)
 
 
 def difference(got: Any, want: Tensor) -> str:
