@@ -34,7 +34,8 @@ _MAX_DIGITS = 17  # enough to tell any two distinct doubles apart
 class WrongResult(AssertionError):
     """A result that is not the expected one (its values, shape or dtype): the summary takes
     every wrong result of a function as one cause, whatever its numbers. ``reason``: the
-    usual mistake that accounts for it, when one does."""
+    usual mistake that accounts for its values, when one does (not figures, nor a region
+    that says only where it is wrong)."""
 
     def __init__(self, message: str, reason: str = "") -> None:
         super().__init__(message)
@@ -113,13 +114,14 @@ def check_close(
     if callable(explanations):  # made only when needed: they cost as much as the check
         explanations = explanations()
     reason = _explain(got, wrong, allowed, explanations or {}, before)
+    accounted = bool(reason) and reason != UNCHANGED
     if not reason:
         shaped = [t.reshape(expected.shape) for t in (got, want, wrong)]
         bound = allowed.reshape(expected.shape) if isinstance(allowed, torch.Tensor) else allowed
-        reason = explain(*shaped, bound, context or Expected())
+        reason, accounted = explain(*shaped, bound, context or Expected())
     if not reason and expected.dtype.is_floating_point:
         reason = _precision(got, want, wrong, index, allowed, scale, terms, expected.dtype)
-    raise WrongResult(message + (f" ({reason})" if reason else ""), reason)
+    raise WrongResult(message + (f" ({reason})" if reason else ""), reason if accounted else "")
 
 
 def check_unchanged(actual: torch.Tensor, original: torch.Tensor, what: str) -> None:
@@ -233,12 +235,42 @@ def on_every_rank(p: int, check: Callable[[int], None]) -> None:
         except AssertionError as err:
             problems[r] = err
     if problems:
-        first, error = min(problems.items())
-        text = str(error)
-        same = [r for r, e in problems.items() if r != first and str(e) == text]
-        also = f" (the same on rank{'s' * (len(same) > 1)} {', '.join(map(str, same))})"
-        # Of the first problem's type: a wrong result (WrongResult) stays one.
-        raise type(error)(f"rank {first}: {text}" + (also if same else ""))
+        error = problems[min(problems)]
+        message = rank_blame({r: str(e) for r, e in problems.items()})
+        if isinstance(error, WrongResult):  # a wrong result stays one, with the cause
+            # that accounts for every rank's, if one does
+            causes = {getattr(e, "reason", "") for e in problems.values()}
+            raise WrongResult(message, error.reason if "" not in causes else "")
+        raise type(error)(message)
+
+
+def rank_blame(problems: dict[int, str], prefix: str = "", others: bool = False) -> str:
+    """The lowest rank's problem, and the ranks with the very same one (so that a student
+    sees at once whether a mistake is on one rank or everywhere); ``others``: the next
+    rank with another problem too."""
+    first = min(problems)
+    text = problems[first]
+    same = [r for r in sorted(problems) if r != first and problems[r] == text]
+    rest = [r for r in sorted(problems) if r != first and r not in same]
+    message = f"rank {first}: {prefix}{text}"
+    if same:
+        message += f" (the same on rank{'s' * (len(same) > 1)} {', '.join(map(str, same))})"
+    if others and rest:
+        message += f"; rank {rest[0]} is wrong too: {problems[rest[0]]}"
+    return message
+
+
+def named_cause(check: Callable[[], None]) -> str | None:
+    """Run the correctness ``check`` of a test that judges messages: a wrong result that a
+    usual mistake accounts for is the correctness tests' to deduct, and comes back as their
+    message (None: right); any other failure fails this test too."""
+    try:
+        check()
+    except WrongResult as err:
+        if not err.reason:
+            raise
+        return str(err)
+    return None
 
 
 def carried(event: Event) -> torch.Tensor:

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from grader.testkit.compare import format_pair
+from grader.testkit.compare import format_pair, rank_blame
 from grader.tolerances import FLOAT32, FLOAT64_ORACLE, Tolerance
 
 
@@ -65,16 +65,8 @@ def uniform_factor(got: dict[str, Any], want: dict[str, Tensor]) -> float | None
 
 
 def blame(what: str, problems: Sequence[str | None]) -> None:
-    """Fail naming the first rank with a problem, and the other ranks that share it."""
-    wrong = [r for r, problem in enumerate(problems) if problem]
-    if not wrong:
-        return
-    first, *rest = wrong
-    same = [r for r in rest if problems[r] == problems[first]]
-    others = [r for r in rest if r not in same]
-    message = f"rank {first}: {what}: {problems[first]}"
-    if same:
-        message += f" (the same on rank{'s' * (len(same) > 1)} {', '.join(map(str, same))})"
-    if others:
-        message += f"; rank {others[0]} is wrong too: {problems[others[0]]}"
-    raise AssertionError(message)
+    """Fail naming the first rank with a problem, the other ranks that share it, and the
+    next rank with another."""
+    wrong = {r: problem for r, problem in enumerate(problems) if problem}
+    if wrong:
+        raise AssertionError(rank_blame(wrong, prefix=f"{what}: ", others=True))

@@ -54,17 +54,25 @@ class Expected:
 
 def explain(
     got: Tensor, want: Tensor, wrong: Tensor, allowed: Tensor | float, context: Expected
-) -> str:
-    """The first pattern that accounts for every wrong element, or ''.
+) -> tuple[str, bool]:
+    """The first pattern that accounts for every wrong element ('' if none), and whether it
+    accounts for their values too (a region says only where they are wrong).
 
     ``got``, ``want``: float64 tensors of the result's shape; ``wrong``: the elements beyond
     the tolerance ``allowed`` (of the same shape, or a number).
     """
-    for attempt in (_another_rank, _reordered, _factor, _region):
+    for attempt in (_another_rank, _reordered, _factor):
         reason = attempt(got, want, wrong, allowed, context)
         if reason:
-            return reason
-    return ""
+            return reason, True
+    return _region(got, want, wrong, allowed, context), False
+
+
+def explain_within(got: Tensor, want: Tensor, allowed: float, context: Expected) -> str:
+    """:func:`explain` for a check of its own tolerance: ``allowed``, one bound for all."""
+    got, want = got.detach().cpu().double(), want.detach().cpu().double()
+    wrong = ~((got - want).abs() <= allowed)  # NaN counts as wrong
+    return explain(got, want, wrong, allowed, context)[0] if bool(wrong.any()) else ""
 
 
 def _fits(got: Tensor, candidate: Tensor, wrong: Tensor, allowed: Tensor | float) -> bool:

@@ -215,3 +215,39 @@ def test_a_combine_that_carries_no_rows_earns_no_communication_points(grade, dec
     assert " values that are not its experts' outputs for the rows that rank dispatched " in (
         message
     )
+
+
+def test_rows_in_token_order_are_named(grade) -> None:
+    """Rows dispatched in token order under the grouped order's split sizes: the outputs
+    are explained by that mistake, not guessed as a rounding of bfloat16."""
+    graded = grade("ep_rows_token_order", PART, world_sizes=(2,))
+    failed, passed = verdicts(graded, 2)
+    assert {"moe_top1[E=2p]", *COMMUNICATION} <= failed
+    assert "identity_experts" in passed  # every gate is 1 and no expert changes a row
+    message = graded.message("moe_top1[E=2p]", 2)
+    assert ": output: element " in message
+    assert "(the rows were dispatched in token order, not grouped by destination" in message
+    assert "bfloat16" not in message
+
+
+def test_one_missing_division_by_p_is_deducted_once(grade) -> None:
+    """The experts' gradients not divided by p: the correctness tests that check them fail
+    with the factor; the communication tests, whose exchanges are right, pass and say so."""
+    graded = grade("ep_experts_not_divided", PART, world_sizes=(2,))
+    failed, passed = verdicts(graded, 2)
+    assert set(COMMUNICATION) | {"identity_experts"} <= passed
+    assert "moe_top2[E=2p]" in failed
+    assert "2x the expected: divide each local expert's gradient by p" in (
+        graded.message("moe_top2[E=2p]", 2)
+    )
+    for name in COMMUNICATION:
+        values = graded.test(name, 2)["extra_data"]["values"]
+        assert values.startswith("wrong, for the cause the correctness tests name: rank 0: ")
+        assert "divide each local expert's gradient by p" in values
+
+
+def test_an_all_to_all_without_backward_is_named(grade) -> None:
+    graded = grade("ep_all_to_all_not_differentiable", PART, k="moe_top1", world_sizes=(2,))
+    message = graded.message("moe_top1[E=2p]", 2)
+    assert ".grad is None): no gradient came back through the all-to-alls: " in message
+    assert "dist.all_to_all_single has no backward" in message
