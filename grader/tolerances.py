@@ -26,11 +26,13 @@ class Tolerance:
     relative: float
     floor: float = 1.0
 
-    def bound(self, want: torch.Tensor) -> torch.Tensor:
-        return self.relative * (self.floor + want.abs())
+    def bound(self, want: torch.Tensor | float) -> torch.Tensor | float:
+        return self.relative * (self.floor + abs(want))
 
-    def holds(self, got: torch.Tensor, want: torch.Tensor) -> bool:
+    def holds(self, got: torch.Tensor | float, want: torch.Tensor | float) -> bool:
         """Every element of ``got`` (of ``want``'s shape) within the bound; NaN never is."""
+        if not isinstance(want, torch.Tensor):
+            return abs(float(got) - want) <= self.bound(want)
         want = want.detach().double()
         return bool(((got.detach().double() - want).abs() <= self.bound(want)).all())
 
@@ -39,4 +41,20 @@ EXACT = Tolerance("exact", 0.0, 0.0)
 FLOAT64_ORACLE = Tolerance("float64 oracle", 1e-9)
 FLOAT32 = Tolerance("float32", 1e-5)
 FLOAT32_BUCKET = Tolerance("float32 bucket", 1e-5, floor=1e-7)
-POLICIES = {t.name: t for t in (EXACT, FLOAT64_ORACLE, FLOAT32, FLOAT32_BUCKET)}
+# A float32 scalar (a mean loss) against its float64 value, and float32 layers (a stage's
+# gradient, a partial sum of a matrix product) against theirs: several roundings deep.
+FLOAT32_SCALAR = Tolerance("float32 scalar", 1e-5, floor=1e-2)
+FLOAT32_LAYERS = Tolerance("float32 layers", 1e-4, floor=1e-3)
+FLOAT32_PRODUCT = Tolerance("float32 product", 1e-4, floor=0.1)
+POLICIES = {
+    t.name: t
+    for t in (
+        EXACT,
+        FLOAT64_ORACLE,
+        FLOAT32,
+        FLOAT32_BUCKET,
+        FLOAT32_SCALAR,
+        FLOAT32_LAYERS,
+        FLOAT32_PRODUCT,
+    )
+}
