@@ -166,9 +166,9 @@ def check_gradients(case: Case, out: CallResult, want: Oracle, rank: int) -> Non
             where = f"{what}: {name} gradient (expert {e} lives on rank {rank})"
             require(got is not None, f"{where} is missing (.grad is None): {NO_GRAD}")
             close(got, full, where, why, p)
-    close(
-        seen["input_grad"], want.input_grads[rank], f"{what}: the tokens' gradient", p=p, rows=True
-    )
+    tokens = want.input_grads[rank]
+    why = {f"it is zero: {NO_GRAD}": 0 * tokens}
+    close(seen["input_grad"], tokens, f"{what}: the tokens' gradient", why, p, rows=True)
 
 
 def capacity_mistakes(case: Case, want: Oracle, rank: int) -> dict[str, Tensor]:

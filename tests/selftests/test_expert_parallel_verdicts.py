@@ -251,3 +251,7 @@ def test_an_all_to_all_without_backward_is_named(grade) -> None:
     message = graded.message("moe_top1[E=2p]", 2)
     assert ".grad is None): no gradient came back through the all-to-alls: " in message
     assert "dist.all_to_all_single has no backward" in message
+    # With one expert in play the experts' gradients are none of this rank's: the tokens'.
+    message = graded.message("moe_top1[E=p]", 2)
+    assert "the tokens' gradient: element " in message
+    assert "(it is zero: no gradient came back through the all-to-alls: " in message

@@ -11,7 +11,7 @@ import re
 import pytest
 import torch
 
-from grader.testkit.compare import WrongResult, check_close
+from grader.testkit.compare import WrongResult, check_close, named_cause, on_every_rank
 from grader.testkit.patterns import Expected, Region
 from grader.tolerances import EXACT, FLOAT32, FLOAT64_ORACLE, POLICIES
 
@@ -109,3 +109,22 @@ def test_the_named_policies() -> None:
     assert not FLOAT32.holds(torch.tensor([float("nan"), 0.0]), want)
     assert {"exact", "float64 oracle", "float32", "float32 bucket"} <= set(POLICIES)
     assert all(name == policy.name for name, policy in POLICIES.items())
+
+
+def test_a_communication_test_leaves_only_a_cause_that_accounts_for_every_value() -> None:
+    """named_cause: a wrong result whose values a usual mistake accounts for, on every
+    failing rank, is the correctness tests' deduction; a region (where, not what), or one
+    rank unexplained, fails the communication test too."""
+    want = peers(2)
+
+    def check(got: list[torch.Tensor], context: Expected) -> None:
+        on_every_rank(2, lambda r: check_close(got[r], want[r], "x", context=context))
+
+    assert named_cause(lambda: check(want, Expected())) is None
+    named = named_cause(lambda: check([2 * w for w in want], Expected()))
+    assert named is not None and "(it is 2 times the expected value)" in named
+    with pytest.raises(WrongResult):
+        named_cause(lambda: check([2 * want[0], 3 * want[1]], Expected()))
+    everywhere = Region(torch.ones(3, 4, dtype=torch.bool), "wrong somewhere")
+    with pytest.raises(WrongResult):
+        named_cause(lambda: check([w + 1 for w in want], Expected(regions=[everywhere])))
