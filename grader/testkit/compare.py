@@ -57,6 +57,14 @@ def tolerance(
     return FLOAT_TOLERANCE_ULPS * max(terms, 1) * eps * magnitude + torch.finfo(dtype).tiny
 
 
+def peer_bounds(
+    dtype: torch.dtype, magnitudes: Sequence[torch.Tensor], terms: int
+) -> list[torch.Tensor | float]:
+    """Each rank's rounding bound (:func:`tolerance`), from the magnitudes behind its expected
+    values: what another rank's value may be off by when a rank returns it."""
+    return [tolerance(dtype, m.detach().cpu().double(), terms) for m in magnitudes]
+
+
 def sums_in_float64(terms: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """The sum of ``terms`` in float64, and the sum of their absolute values (the
     ``magnitude`` that :func:`check_close` bounds a sum's rounding by), added one term at a

@@ -40,12 +40,14 @@ class Region:
 @dataclass(frozen=True)
 class Expected:
     """What the comparison knows besides the expected tensor: every rank's expected value
-    (``peers``, this one ``rank``'s among them) and the words for a neighbour's (offset +1
+    (``peers``, this one ``rank``'s among them, with their rounding ``bounds``: see
+    :func:`grader.testkit.compare.peer_bounds`) and the words for a neighbour's (offset +1
     or -1: "the ring turned the wrong way"), the world size for the factors, the dimension
     whose order is the rank's choice to get wrong, and the regions a mistake may touch."""
 
     rank: int | None = None
     peers: Sequence[Tensor] = ()
+    bounds: Sequence[Tensor | float] = ()  # each peer's rounding bound, where known
     neighbours: dict[int, str] = field(default_factory=dict)
     p: int | None = None
     rows_dim: int | None = None
@@ -90,7 +92,11 @@ def _another_rank(
     for offset in sorted(range(1, p), key=lambda o: min(o, p - o)):
         other = (context.rank + offset) % p
         peer = context.peers[other].detach().cpu().double()
-        if torch.equal(peer, want) or not _fits(got, peer, wrong, allowed):
+        # The rounding bound grows with the values: another rank's may be larger than ours.
+        bound = context.bounds[other] if context.bounds else allowed
+        if isinstance(bound, Tensor):
+            bound = bound.reshape(got.shape)
+        if torch.equal(peer, want) or not _fits(got, peer, wrong, bound):
             continue
         words = context.neighbours.get(offset) or context.neighbours.get(offset - p, "")
         return f"it is rank {other}'s expected value" + (f": {words}" if words else "")

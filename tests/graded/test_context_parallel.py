@@ -49,7 +49,7 @@ from grader.testkit import (
     require,
 )
 from grader.testkit.attention import Attention, attention, causal_mask
-from grader.testkit.compare import WrongResult, named_cause
+from grader.testkit.compare import WrongResult, named_cause, peer_bounds
 from grader.testkit.patterns import Expected, Region
 from grader.testkit.ring import ring_messages, ring_steps, ulysses_messages
 
@@ -274,10 +274,12 @@ def expected(run: Run, r: int, name: str) -> Expected:
     """Every rank's expected value and the regions a usual mistake touches, for rank r."""
     n, causal = run.n, run.case.causal
     peers = [run.oracle.result(name)[:, :, run.block(j)] for j in range(run.p)]
+    magnitudes = [run.oracle.magnitudes[name][:, :, run.block(j)] for j in range(run.p)]
+    bounds = peer_bounds(run.case.dtype, magnitudes, run.oracle.terms)
     first = (torch.arange(n) == 0)[:, None]  # [n, 1]: rows of the block, broadcast over D
     regions = [Region(first, NO_KEY, nan=True, rows_dim=2)] if causal else []
     words = {1: HOP_HOME} if name in ("dk", "dv") else {}
-    return Expected(rank=r, peers=peers, neighbours=words, regions=regions)
+    return Expected(rank=r, peers=peers, bounds=bounds, neighbours=words, regions=regions)
 
 
 def describe(function: str, key: str, p: int) -> str:

@@ -128,14 +128,14 @@ def check_output(case: Case, out: CallResult, want: Oracle, rank: int) -> None:
 
     def why() -> dict[str, Tensor]:  # made only if the output is wrong
         mistakes = capacity_mistakes(case, want, rank) if case.capacity_factor else {}
-        if case.p > 1:
-            mistakes[TOKEN_ORDER] = token_order_taken_as_grouped(case, want)[rank]
         if case.p > 1 and case.num_experts > case.p:
             mistakes[
                 "the rows that arrive are rank-major (rank 0's rows for each of this rank's "
                 "experts, then rank 1's, ...), but were split among the experts as if "
                 "expert-major: regroup them by local expert before running the experts"
             ] = rank_major_taken_as_expert_major(case, want)[rank]
+        if case.p > 1:
+            mistakes[TOKEN_ORDER] = token_order_taken_as_grouped(case, want)[rank]
         return mistakes
 
     close(seen["output"], want.outputs[rank], f"{what}: output", why, case.p, rows=True)
