@@ -32,27 +32,15 @@ from typing import Any
 
 import torch
 
+from grader import dtypes
+
 MAX_HEADER_BYTES = 4 << 20
 MAX_BUFFERS = 4096
 MAX_FRAME_BYTES = 2 << 30
 MAX_DEPTH = 8
 MAX_NODES = 100_000
 
-DTYPES: dict[str, torch.dtype] = {
-    str(dtype).removeprefix("torch."): dtype
-    for dtype in (
-        torch.float16,
-        torch.bfloat16,
-        torch.float32,
-        torch.float64,
-        torch.int8,
-        torch.uint8,
-        torch.int16,
-        torch.int32,
-        torch.int64,
-        torch.bool,
-    )
-}
+DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in dtypes.NAMES}
 _PREFIX = struct.Struct("!II")
 
 

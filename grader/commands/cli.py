@@ -84,76 +84,9 @@ def main(argv: list[str] | None = None) -> int:
 def _main(argv: list[str] | None) -> int:
     console = make_console()
     try:
-        args, extra = parser().parse_known_args(argv)
-        if extra and (args.command != "batch" or any(e.startswith("-") for e in extra)):
-            raise UsageError(f"unrecognized arguments: {' '.join(extra)}")
-        if extra:
-            args.parts += extra  # batch's PARTs may follow its options (as in the sbatch recipe)
+        args = _arguments(argv)
         activate(find_config(args.config))
-        config = load_config()
-        if args.command == "gradescope":
-            from grader.commands.gradescope import build_zip
-
-            console.print(f"autograder zip written to {build_zip(config, args.output)}")
-            return EXIT_PASSED
-        if args.command == "release":
-            from grader.commands.release import build_release
-
-            made = build_release(config, args.output)
-            for name in made.partly_hidden:
-                console.print(f"[yellow]warning[/]: {name} is released whole with hidden tests")
-            left_out = f" (hidden, left out: {', '.join(made.left_out)})" if made.left_out else ""
-            console.print(f"student release written to {made.path}{left_out}", highlight=False)
-            return EXIT_PASSED
-        parts = getattr(args, "parts", None) or list(config.parts)
-        for part in parts:
-            config.part(part)  # an unknown part is a usage error
-        if args.command == "list":
-            return _list(console, config, parts)
-        if args.command == "doctor":
-            from grader.commands.doctor import doctor
-
-            return EXIT_PASSED if doctor(console, config, args.sandbox) else EXIT_CANNOT_GRADE
-        modules = [f"{part}.py" for part in config.parts]
-        if args.command == "bench":
-            return _bench(console, args, modules)
-        if args.command == "batch":
-            return _batch(args, config, parts)
-        from grader.report.results import ResultsPathError, check_writable
-
-        nodes = Nodes.from_options(args.nnodes, args.node_rank, args.rdzv_endpoint)
-        if nodes is not None and not nodes.head:
-            return _lend(nodes, args.sandbox)
-        submission = resolve(args.submission, modules)
-        if args.backend == "nccl" and not _has_cuda():
-            raise UsageError("--backend nccl needs CUDA GPUs, and none is visible")
-        if args.results is not None:
-            try:
-                check_writable(args.results)
-            except ResultsPathError as err:
-                raise UsageError(str(err)) from err
-        if args.watch and (args.results is not None or nodes is not None):
-            raise UsageError("--watch grades for the terminal: not with --results or --nnodes")
-        sandbox.requested(args.sandbox)  # $GRADER_SANDBOX too
-        if args.backend != "auto":
-            os.environ["GRADER_DEVICE"] = "cuda" if args.backend == "nccl" else "cpu"
-        for_course = args.results is not None  # batch, Gradescope and the image write one
-        with interrupts.after():  # torch's import, where there is a GPU it might use
-            ranks_device = device()
-        workspace = Workspace(config, args.sandbox, for_course, ranks_device)
-        session: Session | None = None
-        try:
-            if nodes is None:  # its torchrun and ranks import torch while this process does
-                workspace.start(_first_job_size(config, parts, args.world_sizes))
-            with interrupts.after():  # torch's import
-                from grader.commands.grading import Session
-
-            session = Session(workspace, nodes, warm=args.watch)
-            return _grade(console, session, args, config, parts, nodes, submission)
-        finally:
-            if session is not None:
-                session.close()
-            workspace.close()
+        return _command(console, args, load_config())
     except (
         NodesError,
         UsageError,
@@ -167,6 +100,93 @@ def _main(argv: list[str] | None) -> int:
     except KeyboardInterrupt:  # before grading began
         console.print("[bold red]interrupted[/]: every worker was stopped")
         return EXIT_INTERRUPTED
+
+
+def _arguments(argv: list[str] | None) -> argparse.Namespace:
+    args, extra = parser().parse_known_args(argv)
+    if extra and (args.command != "batch" or any(e.startswith("-") for e in extra)):
+        raise UsageError(f"unrecognized arguments: {' '.join(extra)}")
+    if extra:
+        args.parts += extra  # batch's PARTs may follow its options (as in the sbatch recipe)
+    return args
+
+
+def _command(console: Console, args: argparse.Namespace, config: GradingConfig) -> int:
+    """Run the command ``args`` name, under ``config``; its exit status."""
+    if args.command == "gradescope":
+        from grader.commands.gradescope import build_zip
+
+        console.print(f"autograder zip written to {build_zip(config, args.output)}")
+        return EXIT_PASSED
+    if args.command == "release":
+        from grader.commands.release import build_release
+
+        made = build_release(config, args.output)
+        for name in made.partly_hidden:
+            console.print(f"[yellow]warning[/]: {name} is released whole with hidden tests")
+        left_out = f" (hidden, left out: {', '.join(made.left_out)})" if made.left_out else ""
+        console.print(f"student release written to {made.path}{left_out}", highlight=False)
+        return EXIT_PASSED
+    parts = getattr(args, "parts", None) or list(config.parts)
+    for part in parts:
+        config.part(part)  # an unknown part is a usage error
+    if args.command == "list":
+        return _list(console, config, parts)
+    if args.command == "doctor":
+        from grader.commands.doctor import doctor
+
+        return EXIT_PASSED if doctor(console, config, args.sandbox) else EXIT_CANNOT_GRADE
+    modules = [f"{part}.py" for part in config.parts]
+    if args.command == "bench":
+        return _bench(console, args, modules)
+    if args.command == "batch":
+        return _batch(args, config, parts)
+    return _grade_command(console, args, config, parts, modules)
+
+
+def _grade_command(
+    console: Console,
+    args: argparse.Namespace,
+    config: GradingConfig,
+    parts: list[str],
+    modules: list[str],
+) -> int:
+    """``grader run``: check its options, make the workspace, grade."""
+    from grader.report.results import ResultsPathError, check_writable
+
+    nodes = Nodes.from_options(args.nnodes, args.node_rank, args.rdzv_endpoint)
+    if nodes is not None and not nodes.head:
+        return _lend(nodes, args.sandbox)
+    submission = resolve(args.submission, modules)
+    if args.backend == "nccl" and not _has_cuda():
+        raise UsageError("--backend nccl needs CUDA GPUs, and none is visible")
+    if args.results is not None:
+        try:
+            check_writable(args.results)
+        except ResultsPathError as err:
+            raise UsageError(str(err)) from err
+    if args.watch and (args.results is not None or nodes is not None):
+        raise UsageError("--watch grades for the terminal: not with --results or --nnodes")
+    sandbox.requested(args.sandbox)  # $GRADER_SANDBOX too
+    if args.backend != "auto":
+        os.environ["GRADER_DEVICE"] = "cuda" if args.backend == "nccl" else "cpu"
+    for_course = args.results is not None  # batch, Gradescope and the image write one
+    with interrupts.after():  # torch's import, where there is a GPU it might use
+        ranks_device = device()
+    workspace = Workspace(config, args.sandbox, for_course, ranks_device)
+    session: Session | None = None
+    try:
+        if nodes is None:  # its torchrun and ranks import torch while this process does
+            workspace.start(_first_job_size(config, parts, args.world_sizes))
+        with interrupts.after():  # torch's import
+            from grader.commands.grading import Session
+
+        session = Session(workspace, nodes, warm=args.watch)
+        return _grade(console, session, args, config, parts, nodes, submission)
+    finally:
+        if session is not None:
+            session.close()
+        workspace.close()
 
 
 def _grade(

@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-_DTYPES = ("float32", "float64", "float16", "bfloat16")
+from grader.dtypes import FLOATING
 
 
 class OptionError(ValueError):
@@ -110,8 +110,8 @@ def _tolerances(key: str, value: Any) -> dict[str, float]:
         raise OptionError(f"{key} must map dtype names to numbers, got {value!r}")
     tolerances = {}
     for dtype, bound in value.items():
-        if dtype not in _DTYPES:
-            raise OptionError(f"{key}: unknown dtype {dtype!r} (known: {', '.join(_DTYPES)})")
+        if dtype not in FLOATING:
+            raise OptionError(f"{key}: unknown dtype {dtype!r} (known: {', '.join(FLOATING)})")
         if isinstance(bound, bool) or not isinstance(bound, (int, float)) or bound <= 0:
             raise OptionError(f"{key}.{dtype} must be a positive number, got {bound!r}")
         tolerances[dtype] = float(bound)

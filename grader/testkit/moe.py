@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from grader import wire
 from grader.broker.traffic import Event
 from grader.scenarios.expert_parallel import MoE, build_moe, identity_experts
 from grader.testkit import rank_tensor
@@ -263,7 +264,7 @@ def rows_problem(case: Case, events: list[Event], expected: list[list[Tensor]]) 
     None. A piece of the right size holding anything else is a wrong message."""
     for k, (event, to_each) in enumerate(zip(events, expected, strict=True)):
         values, start = carried(event), 0
-        itemsize = getattr(torch, event.dtype or "float32").itemsize
+        itemsize = wire.DTYPES[event.dtype or "float32"].itemsize
         for j, (size, want) in enumerate(zip(event.pieces, to_each, strict=True)):
             got, start = values[start : start + size // itemsize], start + size // itemsize
             if same_rows(got, want):
