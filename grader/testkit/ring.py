@@ -98,7 +98,7 @@ def ring_steps(traffic: Traffic, full: dict[str, Tensor], n: int, causal: bool) 
                 arrived[peer % p].append(owner)
         grids.append([_row(r, p, arrived[r], causal) for r in range(p)])
     for r in range(p):
-        other = [e for e in parts[r][1] if e.op == "send" and bytes(e.payload) not in labels]
+        other = [e for e in parts[r][1] if e.op == OpName.SEND and bytes(e.payload) not in labels]
         homeward.append(sum(e.nbytes for e in other) // block_bytes)
     return Ring(grids[0], causal, grids[1], homeward)
 
@@ -106,7 +106,7 @@ def ring_steps(traffic: Traffic, full: dict[str, Tensor], n: int, causal: bool) 
 def delivered(events: list[Event], labels: dict[bytes, KV]) -> list[tuple[int, int]]:
     """(to whom, whose block) of every K/V block these events sent, whole or in halves."""
     out, half = [], None
-    for e in (e for e in events if e.op == "send"):
+    for e in (e for e in events if e.op == OpName.SEND):
         label = labels.get(bytes(e.payload))
         if label is None:
             continue

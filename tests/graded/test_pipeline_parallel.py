@@ -35,6 +35,8 @@ from torch import Tensor, nn
 
 from grader.scenarios.pipeline_parallel import ROWS, WIDTH, make_stage, stand_in
 from grader.testkit import (
+    FLOAT32_LAYERS,
+    FLOAT32_SCALAR,
     CallResult,
     Gate,
     TestRecord,
@@ -48,7 +50,6 @@ from grader.testkit import (
 )
 from grader.testkit.messages import Expected
 from grader.testkit.schedule import PipelineSchedule, in_flight_bound, judge_stage, observed_order
-from grader.tolerances import FLOAT32_LAYERS, FLOAT32_SCALAR
 
 REGIMES = ("m<p", "m=p", "m>p")
 Shares = dict[str, list[Tensor]]  # each microbatch's share of a parameter's gradient, by name

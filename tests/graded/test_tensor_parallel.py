@@ -37,6 +37,7 @@ import torch.nn.functional as F
 
 from grader.scenarios.tensor_parallel import linear
 from grader.testkit import (
+    FLOAT32_PRODUCT,
     OpName,
     TestRecord,
     World,
@@ -65,7 +66,6 @@ from grader.testkit.tensor_parallel import (
     shared,
     weights,
 )
-from grader.tolerances import FLOAT32_PRODUCT
 
 
 @pytest.mark.graded(target="tensor_parallel.ColumnParallelLinear", kind="correctness")
