@@ -13,6 +13,7 @@ from grader.broker.accounting import LocalTime, Meter
 from grader.failures import Fault
 from grader.protocol import OpName, ProtocolError, RankError, TensorMeta, clean, field_int
 from grader.segment import BrokerSegment
+from grader.tolerances import FLOAT32_BUCKET
 from grader.wire import Frame
 
 
@@ -90,7 +91,7 @@ class Gate:
         needs = torch.tensor(self.needs, dtype=torch.float64)
         for wanted in (needs, needs / len(world)):
             gap = (carried[None, :] - wanted[:, None]).abs().amin(dim=1)
-            if bool((gap <= 1e-5 * wanted.abs() + 1e-12).all()):  # float32 buckets too
+            if bool((gap <= FLOAT32_BUCKET.bound(wanted)).all()):
                 return True
         return False
 

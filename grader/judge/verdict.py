@@ -97,6 +97,15 @@ class Ring:
 
     cells: list[list[RingCell]]
     causal: bool
+    backward: list[list[RingCell]] = field(default_factory=list)  # the K/V blocks again
+    homeward: list[int] = field(default_factory=list)  # dK/dV blocks each rank sent on
+
+    @property
+    def wrong(self) -> bool:
+        """A block not the ring's at some step, or a dK/dV hop missing."""
+        cells = [c for row in (*self.cells, *self.backward) for c in row]
+        p = len(self.cells)
+        return not all(c.right for c in cells) or (p > 1 and any(n < p for n in self.homeward))
 
 
 @dataclass(frozen=True)

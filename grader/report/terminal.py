@@ -110,6 +110,7 @@ def _print_fixes(console: Console, part: str, results: list[GradedResult], verbo
     console.print(f"[bold]What to fix first in {escape(part)}:[/]")
     # A message is one long line: a terminal wraps it, a log keeps it whole.
     wrap = {"soft_wrap": not console.is_terminal, "highlight": False}
+    rings: list = []  # the ring pictures shown: each once
     for result in fixes.shown:
         test = result.test
         credit = (
@@ -128,7 +129,7 @@ def _print_fixes(console: Console, part: str, results: list[GradedResult], verbo
         drawn = timelines_of(result.verdict)
         if drawn:
             console.print(terminal_table(*drawn, title="  schedule (F = forward, B = backward)"))
-        if result.verdict.ring is not None:
+        if ring.worth_drawing(result.verdict.ring, rings):
             console.print(ring.terminal_table(result.verdict.ring, title="  the ring's steps"))
     if not fixes.shown and fixes.not_run:  # nothing ran: why not is the first thing to fix
         reason = next(r.verdict.message for r in results if r.verdict.outcome == NOT_RUN)

@@ -30,6 +30,8 @@ def attention(
     seen: dict[str, Any] = {"output_type": type(out).__name__, "output": None}
     if isinstance(out, Tensor):
         seen["output"] = out.detach().clone()  # before backward: nothing may change it later
-        out.backward(grad)
+        seen["differentiable"] = out.requires_grad  # no grad_fn: the test says which call
+        if out.requires_grad:
+            out.backward(grad)
     seen.update(dq=q.grad, dk=k.grad, dv=v.grad)
     return seen

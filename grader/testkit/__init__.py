@@ -28,8 +28,12 @@ from grader.testkit.data import generator, rank_tensor
 from grader.testkit.information import check_informed
 from grader.testkit.record import TestRecord
 from grader.testkit.timing import stage_timing
+from grader.tolerances import FLOAT32_LAYERS, FLOAT32_PRODUCT, FLOAT32_SCALAR, Tolerance
 
 __all__ = [
+    "FLOAT32_LAYERS",
+    "FLOAT32_PRODUCT",
+    "FLOAT32_SCALAR",
     "CallResult",
     "Cell",
     "Event",
@@ -39,6 +43,7 @@ __all__ = [
     "RingCell",
     "TestOptions",
     "TestRecord",
+    "Tolerance",
     "Traffic",
     "Work",
     "World",

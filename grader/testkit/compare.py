@@ -15,8 +15,9 @@ from collections.abc import Callable, Sequence
 import torch
 
 from grader.broker.traffic import Event
+from grader.testkit.patterns import Expected, explain
+from grader.tolerances import ROUNDING_ULPS as FLOAT_TOLERANCE_ULPS
 
-FLOAT_TOLERANCE_ULPS = 4.0
 UNCHANGED = (
     "it came back unchanged: nothing was received into it, or the result was never copied "
     "back into it with copy_"
@@ -32,7 +33,13 @@ _MAX_DIGITS = 17  # enough to tell any two distinct doubles apart
 
 class WrongResult(AssertionError):
     """A result that is not the expected one (its values, shape or dtype): the summary takes
-    every wrong result of a function as one cause, whatever its numbers."""
+    every wrong result of a function as one cause, whatever its numbers. ``reason``: the
+    usual mistake that accounts for its values, when one does (not figures, nor a region
+    that says only where it is wrong)."""
+
+    def __init__(self, message: str, reason: str = "") -> None:
+        super().__init__(message)
+        self.reason = reason
 
 
 def tolerance(
@@ -48,6 +55,14 @@ def tolerance(
         return 0.0
     eps = torch.finfo(dtype).eps
     return FLOAT_TOLERANCE_ULPS * max(terms, 1) * eps * magnitude + torch.finfo(dtype).tiny
+
+
+def peer_bounds(
+    dtype: torch.dtype, magnitudes: Sequence[torch.Tensor], terms: int
+) -> list[torch.Tensor | float]:
+    """Each rank's rounding bound (:func:`tolerance`), from the magnitudes behind its expected
+    values: what another rank's value may be off by when a rank returns it."""
+    return [tolerance(dtype, m.detach().cpu().double(), terms) for m in magnitudes]
 
 
 def sums_in_float64(terms: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -72,6 +87,7 @@ def check_close(
     terms: int = 1,
     explanations: dict[str, torch.Tensor] | Callable[[], dict[str, torch.Tensor]] | None = None,
     before: torch.Tensor | None = None,
+    context: Expected | None = None,
 ) -> None:
     """Raise :class:`WrongResult` naming the first wrong element of ``actual``, and why.
 
@@ -79,7 +95,8 @@ def check_close(
     expected element (for the float tolerance); ``explanations``: what the
     tensor would hold after each usual mistake, by a phrase describing it;
     ``before``: the tensor's contents before the call, i.e. the rank's own input
-    (to recognise a tensor that came back unchanged).
+    (to recognise a tensor that came back unchanged); ``context``: what else the
+    trusted side expects, for the patterns of :mod:`grader.testkit.patterns`.
     """
     if actual.shape != expected.shape:
         raise WrongResult(
@@ -105,9 +122,14 @@ def check_close(
     if callable(explanations):  # made only when needed: they cost as much as the check
         explanations = explanations()
     reason = _explain(got, wrong, allowed, explanations or {}, before)
+    accounted = bool(reason) and reason != UNCHANGED
+    if not reason:
+        shaped = [t.reshape(expected.shape) for t in (got, want, wrong)]
+        bound = allowed.reshape(expected.shape) if isinstance(allowed, torch.Tensor) else allowed
+        reason, accounted = explain(*shaped, bound, context or Expected())
     if not reason and expected.dtype.is_floating_point:
         reason = _precision(got, want, wrong, index, allowed, scale, terms, expected.dtype)
-    raise WrongResult(message + (f" ({reason})" if reason else ""))
+    raise WrongResult(message + (f" ({reason})" if reason else ""), reason if accounted else "")
 
 
 def check_unchanged(actual: torch.Tensor, original: torch.Tensor, what: str) -> None:
@@ -173,8 +195,11 @@ def _precision(
     lower = LOWER_PRECISION.get(dtype)
     if lower is None:
         return figures
+    # Said only where the values support it: every wrong one is a value of the lower dtype
+    # (what a sum kept in it returns), within that dtype's rounding of the expected.
     lower_allowed = tolerance(lower, scale, terms)
-    if bool(((got - want).abs() <= lower_allowed)[wrong].all()):
+    representable = got[wrong] == got[wrong].to(lower).double()
+    if bool(representable.all()) and bool(((got - want).abs() <= lower_allowed)[wrong].all()):
         low, high = str(lower).removeprefix("torch."), str(dtype).removeprefix("torch.")
         return (
             f"{figures}: an error the size of {low}'s rounding, so likely accumulated in a "
@@ -218,12 +243,42 @@ def on_every_rank(p: int, check: Callable[[int], None]) -> None:
         except AssertionError as err:
             problems[r] = err
     if problems:
-        first, error = min(problems.items())
-        text = str(error)
-        same = [r for r, e in problems.items() if r != first and str(e) == text]
-        also = f" (the same on rank{'s' * (len(same) > 1)} {', '.join(map(str, same))})"
-        # Of the first problem's type: a wrong result (WrongResult) stays one.
-        raise type(error)(f"rank {first}: {text}" + (also if same else ""))
+        error = problems[min(problems)]
+        message = rank_blame({r: str(e) for r, e in problems.items()})
+        if isinstance(error, WrongResult):  # a wrong result stays one, with the cause
+            # that accounts for every rank's, if one does
+            causes = {getattr(e, "reason", "") for e in problems.values()}
+            raise WrongResult(message, error.reason if "" not in causes else "")
+        raise type(error)(message)
+
+
+def rank_blame(problems: dict[int, str], prefix: str = "", others: bool = False) -> str:
+    """The lowest rank's problem, and the ranks with the very same one (so that a student
+    sees at once whether a mistake is on one rank or everywhere); ``others``: the next
+    rank with another problem too."""
+    first = min(problems)
+    text = problems[first]
+    same = [r for r in sorted(problems) if r != first and problems[r] == text]
+    rest = [r for r in sorted(problems) if r != first and r not in same]
+    message = f"rank {first}: {prefix}{text}"
+    if same:
+        message += f" (the same on rank{'s' * (len(same) > 1)} {', '.join(map(str, same))})"
+    if others and rest:
+        message += f"; rank {rest[0]} is wrong too: {problems[rest[0]]}"
+    return message
+
+
+def named_cause(check: Callable[[], None]) -> str | None:
+    """Run the correctness ``check`` of a test that judges messages: a wrong result that a
+    usual mistake accounts for is the correctness tests' to deduct, and comes back as their
+    message (None: right); any other failure fails this test too."""
+    try:
+        check()
+    except WrongResult as err:
+        if not err.reason:
+            raise
+        return str(err)
+    return None
 
 
 def carried(event: Event) -> torch.Tensor:

@@ -1,8 +1,8 @@
 """Comparing float64 results with a one-process oracle, and blaming the ranks that differ.
 
 The strategy parts (data parallelism, the sharded optimizer) check every rank's result against
-the same work done here in float64: any honest summation order agrees to ~1e-15, so a tolerance
-of 1e-9 leaves no bug unseen, and anything within 1e-5 but not 1e-9 is float32 arithmetic.
+the same work done here in float64, within :data:`grader.tolerances.FLOAT64_ORACLE`; anything
+within :data:`~grader.tolerances.FLOAT32` but not that is float32 arithmetic.
 """
 
 from __future__ import annotations
@@ -13,21 +13,18 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from grader.testkit.compare import format_pair
+from grader.testkit.compare import format_pair, rank_blame
+from grader.tolerances import FLOAT32, FLOAT64_ORACLE, Tolerance
 
 
-def close(got: Any, want: Tensor, tolerance: float = 1e-9) -> bool:
-    """``got`` is a tensor of ``want``'s shape within ``tolerance`` (relative, plus absolute)."""
-    return (
-        isinstance(got, Tensor)
-        and got.shape == want.shape
-        and bool(((got.double() - want.double()).abs() <= tolerance * (1 + want.abs())).all())
-    )
+def close(got: Any, want: Tensor, tolerance: Tolerance = FLOAT64_ORACLE) -> bool:
+    """``got`` is a tensor of ``want``'s shape within ``tolerance``."""
+    return isinstance(got, Tensor) and got.shape == want.shape and tolerance.holds(got, want)
 
 
 def close_in_float32(got: Any, want: Tensor) -> bool:
     """Within float32's precision of ``want`` (a float64 result computed in float32 somewhere)."""
-    return close(got, want, 1e-5)
+    return close(got, want, FLOAT32)
 
 
 def difference(got: Any, want: Tensor) -> str:
@@ -68,16 +65,8 @@ def uniform_factor(got: dict[str, Any], want: dict[str, Tensor]) -> float | None
 
 
 def blame(what: str, problems: Sequence[str | None]) -> None:
-    """Fail naming the first rank with a problem, and the other ranks that share it."""
-    wrong = [r for r, problem in enumerate(problems) if problem]
-    if not wrong:
-        return
-    first, *rest = wrong
-    same = [r for r in rest if problems[r] == problems[first]]
-    others = [r for r in rest if r not in same]
-    message = f"rank {first}: {what}: {problems[first]}"
-    if same:
-        message += f" (the same on rank{'s' * (len(same) > 1)} {', '.join(map(str, same))})"
-    if others:
-        message += f"; rank {others[0]} is wrong too: {problems[others[0]]}"
-    raise AssertionError(message)
+    """Fail naming the first rank with a problem, the other ranks that share it, and the
+    next rank with another."""
+    wrong = {r: problem for r, problem in enumerate(problems) if problem}
+    if wrong:
+        raise AssertionError(rank_blame(wrong, prefix=f"{what}: ", others=True))

@@ -319,3 +319,32 @@ def same_rows(got: Tensor, want: Tensor) -> bool:
             return False
         taken[j] = True
     return True
+
+
+def token_order_taken_as_grouped(case: Case, want: Oracle) -> list[Tensor]:
+    """Every rank's output if its kept pairs' rows were sent in token order under the split
+    sizes of the grouped order: the m-th row sent is run by the expert of the m-th pair
+    sorted by expert, and comes home to its own token with its own gate."""
+    moe = build_moe(want.state, case.num_experts, case.top_k).double()
+    outputs = []
+    with torch.no_grad():
+        for i, x in enumerate(want.xs):
+            x = x.double()
+            experts, gates = moe.route(x)
+            expert, gate = experts.reshape(-1), gates.reshape(-1)
+            token = torch.arange(len(x)).repeat_interleave(case.top_k)
+            grouped = _first_pairs(expert, want.kept[i])
+            y = torch.zeros_like(x)
+            for m, j in enumerate(grouped.sort().values.tolist()):
+                run = moe.experts[int(expert[grouped[m]])]
+                y[token[j]] += gate[j] * run(x[token[j]])
+            outputs.append(y.float())
+    return outputs
+
+
+def _first_pairs(expert: Tensor, kept: Tensor) -> Tensor:
+    """The kept pairs sorted by expert (token order inside): of expert e's, the first kept[e]."""
+    order = torch.sort(expert, stable=True).indices
+    counts = torch.bincount(expert, minlength=len(kept))
+    place = torch.arange(len(order)) - (counts.cumsum(0) - counts)[expert[order]]
+    return order[place < kept[expert[order]]]

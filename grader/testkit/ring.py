@@ -81,25 +81,52 @@ def work_of(owner: int, rank: int, causal: bool) -> Work:
 
 
 def ring_steps(traffic: Traffic, full: dict[str, Tensor], n: int, causal: bool) -> Ring:
-    """Whose block each rank held at each step of the forward, by the broker's record.
+    """Whose block each rank held at each step, forward and backward, by the broker's record.
 
-    At step 0 its own; at step s the one rank r-1 sent it at step s-1 (None if that message
-    is missing or holds no K/V block). What it does with it is the rule's.
+    At step 0 its own; at step s the s-th K/V block the broker carried to it, from whichever
+    rank sent it (None if none arrived). In backward also how many dK/dV blocks each rank
+    sent on (any other message of its backward, counted in K/V blocks' bytes).
     """
     p, labels = len(traffic.per_rank), kv_labels(full, n)
-    sent: list[list[int]] = []
+    block_bytes = 2 * full["k"][:, :, :n].numel() * full["k"].element_size()
+    parts = [sections(traffic, r) or ([], []) for r in range(p)]
+    grids, homeward = [], []
+    for phase in (0, 1):
+        arrived: list[list[int]] = [[] for _ in range(p)]
+        for r in range(p):
+            for peer, owner in delivered(parts[r][phase], labels):
+                arrived[peer % p].append(owner)
+        grids.append([_row(r, p, arrived[r], causal) for r in range(p)])
     for r in range(p):
-        parts = sections(traffic, r)
-        sent.append(forward_blocks(parts[0], labels)[0] if parts else [])
-    cells = []
-    for r in range(p):
-        row = []
-        for s in range(p):
-            expected, before = (r - s) % p, sent[(r - 1) % p]
-            held = r if s == 0 else before[s - 1] if s - 1 < len(before) else None
-            row.append(RingCell(held, expected, work_of(expected, r, causal)))
-        cells.append(row)
-    return Ring(cells, causal)
+        other = [e for e in parts[r][1] if e.op == OpName.SEND and bytes(e.payload) not in labels]
+        homeward.append(sum(e.nbytes for e in other) // block_bytes)
+    return Ring(grids[0], causal, grids[1], homeward)
+
+
+def delivered(events: list[Event], labels: dict[bytes, KV]) -> list[tuple[int, int]]:
+    """(to whom, whose block) of every K/V block these events sent, whole or in halves."""
+    out, half = [], None
+    for e in (e for e in events if e.op == OpName.SEND):
+        label = labels.get(bytes(e.payload))
+        if label is None:
+            continue
+        if label[1] in ("KV", "VK"):
+            out.append((e.peer, label[0]))
+        elif half is None:
+            half = label
+        else:
+            out.append((e.peer, half[0]))
+            half = None
+    return out
+
+
+def _row(r: int, p: int, arrived: list[int], causal: bool) -> list[RingCell]:
+    row = []
+    for s in range(p):
+        expected = (r - s) % p
+        held = r if s == 0 else arrived[s - 1] if s - 1 < len(arrived) else None
+        row.append(RingCell(held, expected, work_of(expected, r, causal)))
+    return row
 
 
 def ring_messages(

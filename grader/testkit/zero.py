@@ -22,8 +22,8 @@ from grader.broker.traffic import Event, Traffic
 from grader.protocol import OpName
 from grader.testkit.compare import carried, nearest
 from grader.testkit.data import generator
+from grader.tolerances import FLOAT64_ORACLE
 
-TOLERANCE = 1e-9  # relative, plus absolute: float64 steps computed in another order
 HOW = (
     "ZeRO-1 brings every rank's parameters up to date from their owners: broadcast each "
     "parameter from the rank that updated it (or all-gather every rank's updated shard)"
@@ -56,11 +56,11 @@ def update_of(event: Event, rank: int) -> Tensor | None:
 
 def matches(values: Tensor, flat: Tensor) -> Tensor:
     """The positions in ``flat`` of the elements of ``values`` that one of its elements equals
-    (within :data:`TOLERANCE`)."""
+    (within :data:`~grader.tolerances.FLOAT64_ORACLE`: float64 steps in another order)."""
     order = flat.argsort()
     ordered = flat[order]
     at = nearest(values, ordered)
-    found = (ordered[at] - values).abs() <= TOLERANCE * (1 + ordered[at].abs())
+    found = (ordered[at] - values).abs() <= FLOAT64_ORACLE.bound(ordered[at])
     return order[at[found]]
 
 

@@ -47,6 +47,7 @@ from grader.testkit import (
     rank_tensor,
     require,
 )
+from grader.testkit.compare import named_cause
 from grader.testkit.moe import (
     CAPACITY_FACTOR,
     D_FF,
@@ -60,11 +61,23 @@ from grader.testkit.moe import (
     rank_major_taken_as_expert_major,
     rows_carried,
     rows_problem,
+    token_order_taken_as_grouped,
 )
+from grader.testkit.patterns import Expected
 
 TERMS = 4 * (D + D_FF)  # rounding terms behind an output or gradient element
 MAGNITUDE_FLOOR = 1e-2
 COUNT_DTYPES = ("int64", "int32", "int16", "uint8", "int8")
+NO_GRAD = (
+    "no gradient came back through the all-to-alls: dist.all_to_all_single has no backward; "
+    "wrap it in a torch.autograd.Function whose backward is the all-to-all with the splits "
+    "swapped"
+)
+TOKEN_ORDER = (
+    "the rows were dispatched in token order, not grouped by destination: the split sizes "
+    "count each rank's rows in expert order, so sort the (token, expert) pairs by expert "
+    "before the all-to-all, and add the outputs back by the same order"
+)
 
 
 def run_case(world: World, case: Case) -> tuple[CallResult, Oracle]:
@@ -92,13 +105,22 @@ def close(
     want: Tensor,
     what: str,
     why: dict[str, Tensor] | Callable[[], dict[str, Tensor]] | None = None,
+    p: int | None = None,
+    rows: bool = False,
 ) -> None:
-    require(got is not None, f"{what} is missing (.grad is None)")
+    """``p``: the world size, for a factor of p; ``rows``: one row per token, whose order the
+    rank may get wrong."""
+    require(
+        got is not None, f"{what} is missing (.grad is None)" + (f": {NO_GRAD}" if rows else "")
+    )
     # Every element is a sum of terms of about the tensor's largest size (at least 1e-2: a
     # gradient that cancels to zero, as the router's does with top-1 gates of exactly 1).
     largest = float(want.abs().max()) if want.numel() else 0.0
     magnitude = torch.full_like(want, max(largest, MAGNITUDE_FLOOR))
-    check_close(got, want, what, magnitude=magnitude, terms=TERMS, explanations=why or {})
+    context = Expected(p=p, rows_dim=0 if rows else None)
+    check_close(
+        got, want, what, magnitude=magnitude, terms=TERMS, explanations=why or {}, context=context
+    )
 
 
 def check_output(case: Case, out: CallResult, want: Oracle, rank: int) -> None:
@@ -113,9 +135,11 @@ def check_output(case: Case, out: CallResult, want: Oracle, rank: int) -> None:
                 "experts, then rank 1's, ...), but were split among the experts as if "
                 "expert-major: regroup them by local expert before running the experts"
             ] = rank_major_taken_as_expert_major(case, want)[rank]
+        if case.p > 1:
+            mistakes[TOKEN_ORDER] = token_order_taken_as_grouped(case, want)[rank]
         return mistakes
 
-    close(seen["output"], want.outputs[rank], f"{what}: output", why)
+    close(seen["output"], want.outputs[rank], f"{what}: output", why, case.p, rows=True)
 
 
 def check_gradients(case: Case, out: CallResult, want: Oracle, rank: int) -> None:
@@ -131,7 +155,7 @@ def check_gradients(case: Case, out: CallResult, want: Oracle, rank: int) -> Non
             * full,
             "it is zero: no gradient reached the router; are the gates detached?": 0 * full,
         }
-        close(grads.get(name), full, f"{what}: {name} gradient", why)
+        close(grads.get(name), full, f"{what}: {name} gradient", why, p)
     for e in local_experts(case, rank):
         for name, full in want.grads.items():
             if not name.startswith(f"experts.{e}."):
@@ -140,8 +164,12 @@ def check_gradients(case: Case, out: CallResult, want: Oracle, rank: int) -> Non
             if got is None and not bool(full.any()):
                 continue  # an expert that no token chose has no gradient
             why = {f"{p}x the expected: divide each local expert's gradient by p": p * full}
-            close(got, full, f"{what}: {name} gradient (expert {e} lives on rank {rank})", why)
-    close(seen["input_grad"], want.input_grads[rank], f"{what}: the tokens' gradient")
+            where = f"{what}: {name} gradient (expert {e} lives on rank {rank})"
+            require(got is not None, f"{where} is missing (.grad is None): {NO_GRAD}")
+            close(got, full, where, why, p)
+    tokens = want.input_grads[rank]
+    why = {f"it is zero: {NO_GRAD}": 0 * tokens}
+    close(seen["input_grad"], tokens, f"{what}: the tokens' gradient", why, p, rows=True)
 
 
 def capacity_mistakes(case: Case, want: Oracle, rank: int) -> dict[str, Tensor]:
@@ -347,7 +375,9 @@ def test_communication(world: World, record: TestRecord, capacity: str) -> None:
     cf = None if capacity.endswith("None") else CAPACITY_FACTOR
     case = Case(world.size, 2 * world.size, 2, cf)
     out, want = run_case(world, case)
-    check_case(case, out, want)
+    named = named_cause(lambda: check_case(case, out, want))
+    if named:  # the correctness tests deduct it; the exchange is judged on its own here
+        record.details["values"] = f"wrong, for the cause the correctness tests name: {named}"
     sent, received = row_bytes(case, want.kept)
     record.details["dispatch_bytes_sent"] = sent
     record.details["dispatch_bytes_received"] = received

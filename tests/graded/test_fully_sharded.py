@@ -78,10 +78,15 @@ from grader.testkit.fully_sharded import (
     shard_size,
     within,
 )
+from grader.testkit.patterns import Expected, Region, explain_within
 
 PADDING_HINT = (
     "; the padding of the last shard must never reach the gathered weight (take the first n "
     "elements of the gathered p*s), and every gradient must be the mean over ranks"
+)
+PADDING = (
+    "only the padding is wrong: the elements past the parameter's end in the last shards; "
+    "pad the flat gradient with zeros (torch.zeros, not torch.empty) before the reduce-scatter"
 )
 CASES = [f"{opt}-{dtype}" for opt in ("sgd", "adamw") for dtype in DTYPES]
 HOLD_MOMENTS = ("forward", "synchronized", "rest")
@@ -179,6 +184,8 @@ def test_gradient_shards(world: World, options: TestOptions, dtype: str) -> None
                 ok, rel = within(got, want, tol)
                 factor = mean_factor(got, want)
                 why = f" (it is {factor:g}x the mean: divide the sum by p)" if factor else ""
+                if not ok and not factor:
+                    why = padding_wrong(got, want, tol, r * s, name)
                 require(ok, f"{at}: {name}.grad is off the mean gradient by {rel:.2g}{why}")
             for name in REPLICATED:
                 got = seen[name]
@@ -189,6 +196,15 @@ def test_gradient_shards(world: World, options: TestOptions, dtype: str) -> None
                 require(torch.equal(got, same), f"{at}: {name}.grad differs from rank 0's")
 
     on_every_rank(p, check)
+
+
+def padding_wrong(got: Tensor, want: Tensor, tol: float, start: int, name: str) -> str:
+    """ " (why)" when a pattern accounts for the wrong elements of a gradient shard that
+    starts at element ``start`` of the flat parameter: only its padding wrong, most often."""
+    padding = torch.arange(len(want)) + start >= NUMEL[name]
+    scale = max(float(want.double().abs().max()) if want.numel() else 0.0, 1e-3)
+    reason = explain_within(got, want, tol * scale, Expected(regions=[Region(padding, PADDING)]))
+    return f" ({reason})" if reason else ""
 
 
 @pytest.mark.graded(target="fully_sharded.FullyShardedDataParallel", kind="schedule")

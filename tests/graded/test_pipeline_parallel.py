@@ -35,6 +35,8 @@ from torch import Tensor, nn
 
 from grader.scenarios.pipeline_parallel import ROWS, WIDTH, make_stage, stand_in
 from grader.testkit import (
+    FLOAT32_LAYERS,
+    FLOAT32_SCALAR,
     CallResult,
     Gate,
     TestRecord,
@@ -177,7 +179,7 @@ def check_loss(seen: dict, rank: int, p: int, losses: list[float], what: str) ->
     require(not seen["loss_requires_grad"], f"{what}: return the loss detached (loss.detach())")
     m, value = len(losses), float(returned)
     mean = sum(losses) / m
-    if abs(value - mean) <= 1e-5 * abs(mean) + 1e-7:
+    if FLOAT32_SCALAR.holds(value, mean):
         return
     mistakes = {
         "the sum of the microbatch losses, not their mean": sum(losses),
@@ -185,7 +187,7 @@ def check_loss(seen: dict, rank: int, p: int, losses: list[float], what: str) ->
         "the last microbatch's loss alone": losses[-1],
         "the first microbatch's loss alone": losses[0],
     }
-    why = next((k for k, v in mistakes.items() if abs(value - v) <= 1e-5 * abs(v) + 1e-7), "")
+    why = next((k for k, v in mistakes.items() if FLOAT32_SCALAR.holds(value, v)), "")
     raise AssertionError(
         f"{what}: the last stage returned loss {value:.6g}, expected the mean over the {m} "
         f"microbatches, {mean:.6g}" + (f" (it looks like {why})" if why else "")
@@ -227,11 +229,11 @@ def check_gradients(grads: dict, shares: Shares, rank: int, p: int, what: str) -
         got = grad.double()
         scale = float(want.abs().max())
         error = (got - want).abs()
-        if float(error.max()) <= 1e-4 * scale + 1e-7:
+        if float(error.max()) <= FLOAT32_LAYERS.bound(scale):
             continue
         hint = ""
         for reason, candidate in gradient_mistakes(parts, rank, p).items():
-            allowed = 1e-4 * max(scale, float(candidate.abs().max())) + 1e-7
+            allowed = FLOAT32_LAYERS.bound(max(scale, float(candidate.abs().max())))
             if float((got - candidate).abs().max()) <= allowed:
                 hint = reason
                 break

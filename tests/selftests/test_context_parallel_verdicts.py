@@ -76,8 +76,10 @@ def test_mask_on_every_block_fails_the_causal_ring_only(at_two) -> None:
     # Blocks of one position have no triangle: only the longer causal blocks go wrong, there
     # and in the tests that run causal blocks of 8 and check the results before the rest.
     wrong = [attention("ring_attention", c) for c in ("float32-causal", "float64-causal")]
-    wrong += ["causality[ring_attention]", "ring_attention_communication"]
+    wrong += ["causality[ring_attention]"]
+    # The messages are right: the communication test leaves the values' cause to the above.
     expect_only(graded, {(name, 2): "failed" for name in wrong})
+    assert "values" in graded.test("ring_attention_communication", 2)["extra_data"]
     for name in wrong:
         message = graded.message(name, 2)
         assert message.startswith("rank 1: ring_attention ("), message
@@ -87,16 +89,16 @@ def test_mask_on_every_block_fails_the_causal_ring_only(at_two) -> None:
 
 def test_future_blocks_computed_break_causality(at_two) -> None:
     graded = at_two("cp_future_blocks")
-    wrong = [attention("ring_attention", c) for c in CAUSAL] + ["ring_attention_communication"]
+    wrong = [attention("ring_attention", c) for c in CAUSAL]
     expect_only(graded, {(name, 2): "failed" for name in [*wrong, "causality[ring_attention]"]})
     for name in wrong:
         assert "the later ranks' blocks were computed" in graded.message(name, 2)
     probe = graded.message("causality[ring_attention]", 2)
     assert probe.startswith("rank 0: ring_attention (causality probe) on 2 ranks: changing the ")
     assert "changed output at position 0" in probe
-    # The picture: rank 0's step 1 holds rank 1's block, which the rule skips.
-    assert "the ring's steps drawn in ring-context_parallel-" in graded.message(wrong[0], 2)
-    assert "KV1 skip" in graded.stdout
+    assert "here: the later ranks' blocks were computed" in probe
+    # The ring itself is right: no picture of it.
+    assert "the ring's steps" not in graded.stdout + graded.message(wrong[0], 2)
 
 
 def test_no_max_shift_overflows_beyond_88(at_two) -> None:
@@ -126,9 +128,9 @@ def test_backward_with_step0_kv_fails_the_ring_gradients(at_two) -> None:
 
 def test_dkv_never_sent_home_fails_dk_with_the_cause(at_two) -> None:
     graded = at_two("cp_dkv_not_sent_home")
-    wrong = [attention("ring_attention", c) for c in CASES]
-    wrong += ["causality[ring_attention]", "ring_attention_communication"]
+    wrong = [attention("ring_attention", c) for c in CASES] + ["causality[ring_attention]"]
     expect_only(graded, {(name, 2): "failed" for name in wrong})
+    assert "values" in graded.test("ring_attention_communication", 2)["extra_data"]
     for name in wrong:
         message = graded.message(name, 2)
         assert ": dk: element " in message, message
@@ -192,3 +194,84 @@ def test_a_gate_passed_early_moves_the_whole_forward_after_it(grade) -> None:
     message = graded.message("ring_attention_communication", 2)
     assert message.startswith("rank 0: ring_attention on 2 ranks: "), message
     assert "forward" in message, message
+
+
+def test_ring_turning_the_wrong_way_is_named_and_drawn_once(grade) -> None:
+    """At p = 3 (at 2 both ways are one) causal attention computes blocks by the rule of
+    another: the hypothesis of the ring turned the wrong way accounts for every value, and
+    the picture paints the steps that carried the wrong block, once."""
+    graded = grade("cp_ring_wrong_way", PART, k="ring_attention", world_sizes=(3,))
+    causal = [attention("ring_attention", c) for c in CAUSAL]
+    wrong = [*causal, "causality[ring_attention]", "ring_attention_communication"]
+    expect_only(graded, {(name, 3): "failed" for name in wrong})
+    for name in causal:
+        assert "(the ring turns the wrong way: the blocks came from rank r+1" in (
+            graded.message(name, 3)
+        )
+    assert graded.message("ring_attention_communication", 3).startswith(
+        "rank 0: ring_attention on 3 ranks: rank 0 sent a message to rank 2"
+    )
+    pictures = {graded.test(name, 3)["output"].rsplit("drawn in ", 1)[-1] for name in causal}
+    assert len(pictures) == 1, pictures  # one cause, one picture
+    tables = [line for line in graded.stdout.splitlines() if line.strip() == "the ring's steps"]
+    assert len(tables) == 1, graded.stdout
+    assert " KV2 (want KV0) " in graded.stdout and " KV0 (want KV1) " in graded.stdout
+    assert "KV0 tri" in graded.stdout  # step 0 holds the own block: right, not red
+
+
+def test_last_dkv_hop_missing_gives_the_next_ranks_dk(at_two) -> None:
+    graded = at_two("cp_dkv_last_hop_missing")
+    wrong = [attention("ring_attention", c) for c in CASES] + ["causality[ring_attention]"]
+    expect_only(graded, {(name, 2): "failed" for name in wrong})
+    for name in wrong[:-1]:
+        message = graded.message(name, 2)
+        assert ": dk: element " in message, message
+        assert "(it is rank 1's expected value: the dK/dV of the block this rank held at the " in (
+            message
+        )
+    # Its messages are right but one hop short; the values' cause is the tests' above.
+    details = graded.test("ring_attention_communication", 2)["extra_data"]
+    assert details["values"].startswith("wrong, for the cause the correctness tests name: rank 0")
+    assert "rank 0 backward" in graded.stdout and "1 of 2" in graded.stdout
+
+
+def test_diagonal_masked_too_is_traced_to_rows_with_no_key(at_two) -> None:
+    graded = at_two("cp_diagonal_tril_minus1")
+    causal = [attention(f, c) for f in FUNCTIONS for c in CAUSAL]
+    wrong = [*causal, "causality[ring_attention]", "causality[ulysses_attention]"]
+    wrong.append("ring_attention_communication")
+    expect_only(graded, {(name, 2): "failed" for name in wrong})
+    for name in wrong:
+        message = graded.message(name, 2)
+        assert "NaN in exactly the rows of the queries left with no key to attend to" in message
+        assert "a future key" not in message and "changing the keys" not in message
+    assert "the ring's steps" not in graded.stdout  # the ring is right: no picture
+
+
+def test_merge_without_rescale_is_named(at_two) -> None:
+    graded = at_two("cp_merge_no_rescale")
+    wrong = [attention("ring_attention", c) for c in CASES] + ["causality[ring_attention]"]
+    expect_only(graded, {(name, 2): "failed" for name in wrong})
+    for name in wrong:
+        assert "normalised by its own sum of exps, was added as it is" in (graded.message(name, 2))
+    assert "values" in graded.test("ring_attention_communication", 2)["extra_data"]
+    assert "the ring's steps" not in graded.stdout
+
+
+def test_ulysses_interleaved_positions_are_named(at_two) -> None:
+    graded = at_two("cp_ulysses_interleaved")
+    wrong = [attention("ulysses_attention", c) for c in CAUSAL if "one-position" not in c]
+    wrong.append("causality[ulysses_attention]")
+    expect_only(graded, {(name, 2): "failed" for name in wrong})
+    for name in wrong:
+        assert "the positions are interleaved" in graded.message(name, 2)
+    assert "skip the later blocks" not in graded.message("causality[ulysses_attention]", 2)
+
+
+def test_ulysses_without_backward_names_the_missing_all_to_all(at_two) -> None:
+    graded = at_two("cp_ulysses_not_differentiable")
+    message = graded.message(attention("ulysses_attention", "float32"), 2)
+    assert message.startswith("rank 0: ulysses_attention (float32) on 2 ranks: dq is missing: ")
+    assert "ulysses_attention's output has no grad_fn" in message
+    assert "dist.all_to_all has no backward" in message
+    assert "element 0 of tensors does not require grad" not in graded.stdout

@@ -118,7 +118,10 @@ def test_router_gradient_mistakes(grade, broken: str) -> None:
     the router's gradient is wrong, and with top-1 it is zero anyway (every gate is 1)."""
     graded = grade(broken, PART, world_sizes=(2,))
     failed, _ = verdicts(graded, 2)
-    assert failed == {*TOP2, "capacity[top-2]", *COMMUNICATION}
+    # Detached gates still all-reduce the router's (zero) gradients: the exchange is right,
+    # and the communication tests leave the values to the correctness tests.
+    exchange = set() if broken == "ep_gates_detached" else set(COMMUNICATION)
+    assert failed == {*TOP2, "capacity[top-2]", *exchange}
     for name in [*TOP2, "capacity[top-2]"]:
         message = graded.message(name, 2)
         assert "router.weight gradient" in message
@@ -129,12 +132,16 @@ def test_capacity_from_local_counts(grade) -> None:
     graded = grade("ep_local_capacity", PART, world_sizes=(2,))
     failed, _ = verdicts(graded, 2)
     assert failed == {*CAPACITY, "communication[capacity_factor=0.5]"}
-    for name in [*CAPACITY, "communication[capacity_factor=0.5]"]:
+    for name in CAPACITY:
         message = graded.message(name, 2)
         # Rank 0 comes first in the global order: its pairs are kept alike by both rules.
         assert message.startswith("rank 1: "), message
         assert ": output: element " in message
         assert "shared by all ranks' pairs" in message or "from this rank's" in message
+    # The values' cause is the capacity tests'; the rows it sends are wrong in themselves.
+    message = graded.message("communication[capacity_factor=0.5]", 2)
+    assert message.startswith("rank 0: "), message
+    assert "its all-to-alls of token rows carried " in message
 
 
 def test_the_assignment_gives_the_graders_moe() -> None:
@@ -215,3 +222,43 @@ def test_a_combine_that_carries_no_rows_earns_no_communication_points(grade, dec
     assert " values that are not its experts' outputs for the rows that rank dispatched " in (
         message
     )
+
+
+def test_rows_in_token_order_are_named(grade) -> None:
+    """Rows dispatched in token order under the grouped order's split sizes: the outputs
+    are explained by that mistake, not guessed as a rounding of bfloat16."""
+    graded = grade("ep_rows_token_order", PART, world_sizes=(2,))
+    failed, passed = verdicts(graded, 2)
+    assert {"moe_top1[E=2p]", *COMMUNICATION} <= failed
+    assert "identity_experts" in passed  # every gate is 1 and no expert changes a row
+    message = graded.message("moe_top1[E=2p]", 2)
+    assert ": output: element " in message
+    assert "(the rows were dispatched in token order, not grouped by destination" in message
+    assert "bfloat16" not in message
+
+
+def test_one_missing_division_by_p_is_deducted_once(grade) -> None:
+    """The experts' gradients not divided by p: the correctness tests that check them fail
+    with the factor; the communication tests, whose exchanges are right, pass and say so."""
+    graded = grade("ep_experts_not_divided", PART, world_sizes=(2,))
+    failed, passed = verdicts(graded, 2)
+    assert set(COMMUNICATION) | {"identity_experts"} <= passed
+    assert "moe_top2[E=2p]" in failed
+    assert "2x the expected: divide each local expert's gradient by p" in (
+        graded.message("moe_top2[E=2p]", 2)
+    )
+    for name in COMMUNICATION:
+        values = graded.test(name, 2)["extra_data"]["values"]
+        assert values.startswith("wrong, for the cause the correctness tests name: rank 0: ")
+        assert "divide each local expert's gradient by p" in values
+
+
+def test_an_all_to_all_without_backward_is_named(grade) -> None:
+    graded = grade("ep_all_to_all_not_differentiable", PART, k="moe_top1", world_sizes=(2,))
+    message = graded.message("moe_top1[E=2p]", 2)
+    assert ".grad is None): no gradient came back through the all-to-alls: " in message
+    assert "dist.all_to_all_single has no backward" in message
+    # With one expert in play the experts' gradients are none of this rank's: the tokens'.
+    message = graded.message("moe_top1[E=p]", 2)
+    assert "the tokens' gradient: element " in message
+    assert "(it is zero: no gradient came back through the all-to-alls: " in message

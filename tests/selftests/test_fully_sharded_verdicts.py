@@ -59,6 +59,16 @@ def test_padding_leaking_into_weights_fails_training(grade) -> None:
         failed_because(graded, f"training[{case}]", "padding of the last shard")
 
 
+def test_gradient_padding_not_zeroed_is_named(grade) -> None:
+    """Garbage in the padding of the flat gradient: only the last shard's padding is wrong,
+    and the message says so (not "off the mean gradient by" a figure alone)."""
+    graded = grade("fsdp_padding_from_empty", PART, k="gradient_shards", world_sizes=(2,))
+    for dtype in ("float32", "float16"):
+        failed_because(
+            graded, f"gradient_shards[{dtype}]", "rank 1: ", "(only the padding is wrong: "
+        )
+
+
 def test_full_weights_kept_after_forward_fail_memory(grade) -> None:
     graded = grade("fsdp_keeps_full_weights", PART, k="memory", world_sizes=(2,))
     for dtype in ("float32", "bfloat16"):

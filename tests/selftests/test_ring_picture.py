@@ -12,7 +12,7 @@ import torch
 from rich.console import Console
 
 from grader.broker.traffic import GatePass
-from grader.report.ring import terminal_table, write_png
+from grader.report.ring import draw_failed_rings, terminal_table, worth_drawing, write_png
 from grader.testkit import Event, Traffic, Work
 from grader.testkit.ring import ring_messages, ring_steps
 
@@ -32,17 +32,26 @@ def kv(full: dict[str, torch.Tensor], owner: int) -> bytes:
     return stacked.view(-1).view(torch.uint8).numpy().tobytes()
 
 
-def record(p: int, full: dict[str, torch.Tensor], owners: list[list[int]]) -> Traffic:
-    """Rank r sends the blocks of ``owners[r]`` to r+1 in forward, receives as many from r-1."""
+def record(
+    p: int, full: dict[str, torch.Tensor], owners: list[list[int]], way: int = 1, home: int = 0
+) -> Traffic:
+    """Rank r sends the blocks of ``owners[r]`` to r+way in forward, receives as many from
+    r-way; in backward the same blocks again, and ``home`` dK/dV blocks."""
     traffic = Traffic.empty(p)
     for r in range(p):
         events = traffic.per_rank[r]
         for owner in owners[r]:
             payload = kv(full, owner)
-            events.append(Event("send", (r + 1) % p, len(payload), payload=payload))
-            events.append(Event("recv", (r - 1) % p, len(payload)))
+            events.append(Event("send", (r + way) % p, len(payload), payload=payload))
+            events.append(Event("recv", (r - way) % p, len(payload)))
         # The gate that hands over the output's gradient ends the forward.
         traffic.gates[r].append(GatePass("backward", True, len(events)))
+        if home:
+            for owner in owners[r]:
+                payload = kv(full, owner)
+                events.append(Event("send", (r + way) % p, len(payload), payload=payload))
+            dkv = bytes(len(kv(full, 0)))
+            events += [Event("send", (r + way) % p, len(dkv), payload=dkv)] * home
     return traffic
 
 
@@ -88,3 +97,39 @@ def test_a_message_to_a_rank_other_than_the_next_is_named() -> None:
     assert problems[0] == (
         "rank 0 sent a message to rank 2: a ring sends only to rank 1 and receives only from rank 3"
     )
+
+
+def test_a_ring_turning_the_wrong_way_is_red_where_it_went_wrong_only() -> None:
+    """Every rank sends to r-1: rank r holds rank r+1's block at step 1, not r-1's. The
+    cells show what the broker carried to each rank, from whoever sent it."""
+    p, full = 3, blocks(3)
+    traffic = record(p, full, [[0, 1], [1, 2], [2, 0]], way=-1, home=3)
+    ring = ring_steps(traffic, full, N, causal=True)
+    assert [[c.held for c in row] for row in ring.cells] == [[0, 1, 2], [1, 2, 0], [2, 0, 1]]
+    assert [[c.right for c in row] for row in ring.cells] == [[True, False, False]] * 3
+    assert ring.backward == ring.cells and ring.homeward == [3, 3, 3] and ring.wrong
+
+
+def test_the_backward_ring_shows_a_missing_hop_home(tmp_path: Path) -> None:
+    p, full = 2, blocks(2)
+    owners = [[0], [1]]
+    right = ring_steps(record(p, full, owners, home=2), full, N, causal=False)
+    assert right.homeward == [2, 2] and not right.wrong
+    short = ring_steps(record(p, full, owners, home=1), full, N, causal=False)
+    assert short.homeward == [1, 1] and short.wrong
+    console = Console(record=True, width=200)
+    console.print(terminal_table(short, title="the ring's steps"))
+    shown = console.export_text()
+    assert "rank 1 backward" in shown and "1 of 2" in shown and "dK/dV sent on" in shown
+    assert write_png(short, tmp_path / "ring.png", title="t").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_a_ring_is_drawn_once_and_only_where_it_is_wrong() -> None:
+    p, full = 2, blocks(2)
+    right = ring_steps(record(p, full, [[0], [1]], home=2), full, N, causal=True)
+    short = ring_steps(record(p, full, [[0], [1]], home=1), full, N, causal=True)
+    again = ring_steps(record(p, full, [[0], [1]], home=1), full, N, causal=False)
+    drawn: list = []
+    assert not worth_drawing(right, drawn) and not worth_drawing(None, drawn)
+    assert worth_drawing(short, drawn) and not worth_drawing(again, drawn)
+    assert draw_failed_rings([], Path("unused")) == []
