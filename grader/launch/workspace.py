@@ -101,6 +101,17 @@ class Workspace:
         """Choose the level and start the first job, of ``size`` ranks of this machine."""
         self.started = launch(self.settings(), size)
 
+    def renew_identity(self) -> None:
+        """A new block of uids for the next submission's ranks, the last one's given back
+        (its processes ended, its files in shared folders removed): a batch's students
+        share none."""
+        if self.identity is None:
+            return
+        old, self.identity = self.identity, None
+        old.release()
+        self.identity = uids.reserve()
+        self.identity.share(self.work / "import")
+
     def chosen_level(self) -> sandbox.Level:
         if self.level is None:
             identity = self.identity
