@@ -157,14 +157,18 @@ def _grade_run(
     for_course = args.results is not None or args.batch_worker is not None
     with interrupts.after():  # torch's import, where there is a GPU it might use
         ranks_device = device()
-    workspace = Workspace(config, args.sandbox, for_course, ranks_device)
+    workspace: Workspace | None = None
     session: Session | None = None
     try:
-        if nodes is None:  # its torchrun and ranks import torch while this process does
-            workspace.start(_first_job_size(config, parts, args.world_sizes))
-            if args.batch_worker is None:
-                _header(console, submission, workspace)
-        with console.status("starting: importing torch, collecting the graded tests"):
+        # On a terminal, what the start-up does, from its first second; the first line
+        # (the level, and why no stronger one) as soon as a rank has started at that level.
+        with console.status("starting: a rank in the sandbox") as status:
+            workspace = Workspace(config, args.sandbox, for_course, ranks_device)
+            if nodes is None:  # its torchrun and ranks import torch while this process does
+                workspace.start(_first_job_size(config, parts, args.world_sizes))
+                if args.batch_worker is None:
+                    _header(console, submission, workspace)
+            status.update("starting: importing torch, collecting the graded tests")
             with interrupts.after():  # torch's import
                 from grader.commands.grading import Session
             session = Session(workspace, nodes, warm=args.watch)
@@ -184,7 +188,8 @@ def _grade_run(
     finally:
         if session is not None:
             session.close()
-        workspace.close()
+        if workspace is not None:
+            workspace.close()
 
 
 def _check_run(args: argparse.Namespace, nodes: Nodes | None) -> None:
