@@ -234,9 +234,7 @@ def _serve(
         console = make_console()
         return _run(console, session, tests, submission, results, args.verbose, time.monotonic())
 
-    return serve(
-        sys.stdin, args.batch_worker, session.workspace, grade, lambda d: resolve(d, modules)
-    )
+    return serve(sys.stdin, args.batch_worker, session.workspace, grade, modules)
 
 
 def _header(console: Console, submission: Path, workspace: Workspace, count: str = "") -> None:

@@ -27,7 +27,7 @@ import sys
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
-from grader.course.submission import SubmissionError
+from grader.course.submission import SubmissionError, resolve
 from grader.launch.workspace import Workspace
 
 #: What a worker's exit statuses mean, as ``grader run``'s do.
@@ -38,11 +38,11 @@ Grade = Callable[[Path, Path], int]  # (submission, results file) -> exit status
 
 
 def serve(
-    requests: Iterable[str], reply_fd: int, workspace: Workspace, grade: Grade,
-    resolve: Callable[[str], Path],
-) -> int:  # fmt: skip
-    """Grade each request of ``requests`` with ``grade``, answering on ``reply_fd``; returns
-    the exit status of the last grading that was not a verdict, else 0 at the end of input."""
+    requests: Iterable[str], reply_fd: int, workspace: Workspace, grade: Grade, modules: list[str]
+) -> int:
+    """Grade each request of ``requests`` with ``grade`` (a submission holding some of
+    ``modules``), answering on ``reply_fd``; returns the exit status of the first grading
+    that was not a verdict, else 0 at the end of input."""
     first = True
     for line in requests:
         request = json.loads(line)
@@ -50,16 +50,16 @@ def serve(
             if not first:
                 _fresh_ranks(workspace)
             first = False
-            status = _grade_one(request, grade, resolve)
+            status = _grade_one(request, grade, modules)
         os.write(reply_fd, json.dumps({"status": status}).encode() + b"\n")
         if status not in (PASSED, FAILED):
             return status
     return PASSED
 
 
-def _grade_one(request: dict[str, str], grade: Grade, resolve: Callable[[str], Path]) -> int:
+def _grade_one(request: dict[str, str], grade: Grade, modules: list[str]) -> int:
     try:
-        submission = resolve(request["submission"])
+        submission = resolve(request["submission"], modules)
     except SubmissionError as err:
         print(f"grader: error: {err}", file=sys.stderr)
         return CANNOT_GRADE
