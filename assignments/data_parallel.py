@@ -1,14 +1,15 @@
 """Assignment: data parallelism with overlapped gradient all-reduce (DDP) and ZeRO-1.
 
 You may use the collectives of `torch.distributed` (`broadcast`, `all_reduce`, `all_gather`,
-...), with `async_op=True` where you want to overlap communication with computation. All
-functions act on the default process group; every rank calls them collectively.
+...), with `async_op=True` where communication should overlap computation. Everything acts on
+the default process group; every rank calls collectively.
 
-Reading:
-- Li et al. 2020, "PyTorch Distributed: Experiences on Accelerating Data Parallel Training"
-  (VLDB), sections 3.2 and 4: gradient bucketing, overlapping all-reduce with backward.
-- Rajbhandari et al. 2020, "ZeRO: Memory Optimizations Toward Training Trillion Parameter
-  Models" (SC), section 5.1: optimizer state partitioning (stage 1, P_os).
+Hints
+    - Li et al. 2020, "PyTorch Distributed: Experiences on Accelerating Data Parallel
+      Training" (VLDB), sections 3.2 and 4: gradient bucketing, overlapping all-reduce with
+      backward.
+    - Rajbhandari et al. 2020, "ZeRO: Memory Optimizations Toward Training Trillion Parameter
+      Models" (SC), section 5.1: optimizer state partitioning (stage 1, P_os).
 """
 
 from __future__ import annotations
@@ -24,34 +25,33 @@ from torch.optim.optimizer import ParamsT
 class DataParallel(nn.Module):
     """Replicates `module` on every rank and averages gradients over ranks during backward.
 
-    Semantics
-        - `__init__` keeps the model as `self.module` and makes every rank's parameters and
-          buffers equal to rank 0's (ranks may have been seeded differently).
-        - `forward(*args, **kwargs)` returns `self.module(*args, **kwargs)`.
-        - During `backward()`, gradients are grouped into buckets of at most `bucket_size_mb`
-          megabytes (2**20 bytes; `0` means one bucket per parameter; a parameter larger than
-          the cap gets a bucket of its own). Each bucket is all-reduced asynchronously as soon
-          as all of its gradients are ready, while backward keeps computing the others.
-        - `finish_gradient_synchronization()` waits for the outstanding all-reduces; afterwards
-          every parameter's `.grad` is the **mean** over ranks of the local gradients, so that
-          training with a batch split over p ranks matches training on the whole batch.
+    - `__init__` keeps the model as `self.module` and makes every rank's parameters and buffers
+      equal to rank 0's. `forward(*args, **kwargs)` returns `self.module(*args, **kwargs)`.
+    - During `backward()`, gradients are all-reduced asynchronously in buckets of at most
+      `bucket_size_mb` megabytes (2**20 bytes; `0`: one bucket per parameter; a parameter
+      larger than the cap gets its own), each as soon as all its gradients are ready.
+    - `finish_gradient_synchronization()` waits for them; then every parameter's `.grad` is the
+      mean over ranks. Tied, frozen and unused parameters and repeated iterations work.
 
-    Communication per step: one all-reduce per bucket; a ring all-reduce sends 2(p-1)/p of
-    the gradient bytes per rank, however the gradients are bucketed. Buckets trade latency
-    (fewer, larger messages) against overlap (the first bucket can start earlier).
+    Communication per step: one all-reduce per bucket, 2(p-1)/p of the gradient bytes per rank.
+
+    Graded (`grader list data_parallel`): at p = 1, 2, 4, a model with a tied weight, a frozen
+    layer and a buffer, set differently on every rank, trained with SGD and AdamW and several
+    bucket sizes: parameters and gradients against one process on the whole batch (float64, to
+    1e-9). `overlap` (p = 2, 4): the first all-reduce starts before `backward()` returns, and
+    the all-reduces match the bucketing.
 
     Hints
         - `param.register_post_accumulate_grad_hook(hook)` calls `hook(param)` once
           `param.grad` holds this backward's gradient.
         - Fill buckets in reverse order of `module.parameters()`: backward produces the
-          gradients of the last layers first.
+          gradients of the last layers first. Buckets trade latency (fewer, larger messages)
+          against overlap (the first bucket can start earlier).
         - `dist.all_reduce(flat, async_op=True)` returns a handle; call `.wait()` on it later.
           Flatten a bucket's gradients into one tensor (`torch.cat` of `grad.reshape(-1)`) and
           copy the slices back into each `.grad` after the wait.
         - Collectives are matched by the order in which ranks issue them: every rank must
           launch the same buckets in the same order.
-
-    Pitfalls
         - Tied (shared) parameters: `module.parameters()` yields a shared parameter once; if you
           bucket or hook it twice, its gradient is reduced twice.
         - Frozen parameters (`requires_grad=False`) have no gradient: leave them out.
@@ -62,93 +62,75 @@ class DataParallel(nn.Module):
           for the missing gradients. A parameter used on some ranks only gets the mean with
           zeros from the others; one unused on every rank ends with `.grad` None, as DDP leaves
           it (a rank cannot tell alone: reduce a "used" flag with the bucket).
-
-    Graded (`grader list data_parallel`): at p = 1, 2, 4, a model with a tied weight, a frozen
-    layer and a buffer, initialised differently on every rank, trained a few steps with SGD and
-    AdamW and several bucket sizes; parameters right after wrapping, gradients after each
-    `finish_gradient_synchronization()` and parameters after each step must match one process
-    trained on the whole batch (float64, to 1e-9). `overlap` (p = 2, 4): the first all-reduce
-    must start before `backward()` returns, and the all-reduces must match the bucketing.
     """
 
     def __init__(self, module: nn.Module, bucket_size_mb: float = 25.0) -> None:
-        raise NotImplementedError("DataParallel.__init__: broadcast from rank 0, build buckets")
+        raise NotImplementedError("data_parallel.DataParallel.__init__: not implemented yet")
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Runs the wrapped module."""
-        raise NotImplementedError("DataParallel.forward")
+        raise NotImplementedError("data_parallel.DataParallel.forward: not implemented yet")
 
     def finish_gradient_synchronization(self) -> None:
         """Waits for every bucket's all-reduce and writes the mean gradient into each `.grad`."""
-        raise NotImplementedError("DataParallel.finish_gradient_synchronization")
+        raise NotImplementedError(
+            "data_parallel.DataParallel.finish_gradient_synchronization: not implemented yet"
+        )
 
 
 class ShardedOptimizer(torch.optim.Optimizer):
     """ZeRO stage 1: each rank keeps optimizer state only for its own shard of the parameters.
 
-    Semantics
-        - `__init__(params, optimizer_cls, **kwargs)`: `params` is what you would give any
-          optimizer (tensors or param-group dicts). Assign every parameter to one owner rank,
-          the same way on every rank (e.g. greedily to the rank owning the fewest elements so
-          far), and build `optimizer_cls(..., **kwargs)` over this rank's parameters only,
-          keeping each param group's hyperparameters.
-        - `step()` updates this rank's shard with the local optimizer, then brings every rank
-          up to date: each parameter is sent from its owner to all ranks. Afterwards the
-          parameters equal those of `optimizer_cls(params, **kwargs)` on one process given the
-          same gradients.
-        - `zero_grad()` clears the gradients of all parameters, not just the shard.
-        - `add_param_group(group)` adds a group; its parameters are assigned to owners too.
+    - `__init__(params, optimizer_cls, **kwargs)`: `params` as for any optimizer. Each
+      parameter gets one owner rank, the same on every rank; this rank's inner
+      `optimizer_cls(..., **kwargs)` holds only its own, with each group's settings.
+    - `step()` updates this rank's shard, then sends each parameter from its owner to all ranks:
+      the parameters then equal those of `optimizer_cls(params, **kwargs)` on one process. A
+      change to `self.param_groups` (a scheduler's) takes effect at the next `step()`.
+    - `zero_grad()` clears every gradient; `add_param_group(group)` gives its parameters owners.
 
-    Where the state lives: only in the inner optimizer, and only for this rank's shard;
-    `self.state` of the wrapper stays empty (the grader measures the bytes of tensors in the
-    `state` of the ShardedOptimizer and of any optimizer it holds).
+    Communication per step: the updated parameters once, (p-1)/p of their bytes per rank.
+    Memory: optimizer state only in the inner optimizer, about 1/p of it per rank.
 
-    `self.param_groups` is what schedulers and users change: an LR scheduler sets
-    `group["lr"]` there between steps, and the change must take effect on the next `step()`
-    (copy each group's hyperparameters to the inner optimizer's matching group before
-    stepping, or let both share the same hyperparameter values).
-
-    Memory: Adam-style state (8 bytes per fp32 parameter) shrinks to 1/p per rank.
-    Communication per step: the updated parameters, once: a broadcast per parameter (or per
-    owner, flattened) moves the bytes of one all-gather, (p-1)/p of the parameters per rank.
+    Graded: at p = 1, 2, 4, SGD with momentum and AdamW over 7 parameters in two groups (one
+    added by `add_param_group`), with a step where one has no gradient: the parameters after
+    each step against the unsharded optimizer's. `sharded_optimizer_state` (p = 2, 4): each
+    parameter's owner is the rank that sends its update; each rank holds about 1/p of the state
+    (tensors in the `state` of this optimizer and of those it holds); given the true gradients
+    only of what it owns, a rank takes the rest from their owners.
 
     Hints
+        - Assign owners greedily: each parameter to the rank owning the fewest elements so far.
         - Subclass properly: call `super().__init__(params, defaults=kwargs)`; the base class
           calls `self.add_param_group` once per group, so set your own attributes before that
           call and do the sharding inside `add_param_group` (after calling the base version).
           Then `self.param_groups` holds every parameter and the inherited `zero_grad` works.
-        - `dist.broadcast(param.data, src=owner)` under `torch.no_grad()`.
-
-    Pitfalls
+        - Copy each group's hyperparameters to the inner optimizer's matching group before
+          stepping, or let both share the same values.
+        - `dist.broadcast(param.data, src=owner)` under `torch.no_grad()`; or one broadcast per
+          owner of its parameters flattened.
         - Every rank must compute the same assignment, and broadcast in the same order.
         - The number of parameters need not divide by p; a rank may own none (an optimizer
           accepts a param group with an empty `params` list).
         - A parameter without a gradient is skipped by the local optimizer, as it would be
           without sharding; it must still be broadcast consistently (or skipped on all ranks).
-
-    Graded: at p = 1, 2, 4, SGD with momentum and AdamW over 7 parameters (p divides none of
-    2, 3, 4) in two groups, the second added with `add_param_group` with its own
-    hyperparameters, a step where one parameter has no gradient, `zero_grad()` between
-    steps: the parameters after each step must match the unsharded optimizer's.
-    `sharded_optimizer_state` (p = 2, 4): each parameter has one owner, the rank that sends
-    its update to the others (a broadcast from it, or its input to an all-gather), and each
-    rank owns about 1/p of the state; in a second call a rank gets the true gradients only of
-    what it owns, so it must take the rest from their owners.
     """
 
     def __init__(
         self, params: ParamsT, optimizer_cls: type[torch.optim.Optimizer], **kwargs: Any
     ) -> None:
-        raise NotImplementedError("ShardedOptimizer.__init__: partition, build local optimizer")
+        raise NotImplementedError("data_parallel.ShardedOptimizer.__init__: not implemented yet")
 
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
         """Steps the local optimizer, then broadcasts every parameter from its owner."""
-        raise NotImplementedError("ShardedOptimizer.step")
+        raise NotImplementedError("data_parallel.ShardedOptimizer.step: not implemented yet")
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clears every parameter's gradient (`super().zero_grad(set_to_none)` can do it)."""
-        raise NotImplementedError("ShardedOptimizer.zero_grad")
+        raise NotImplementedError("data_parallel.ShardedOptimizer.zero_grad: not implemented yet")
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Adds a param group to `self.param_groups` and shards its parameters."""
-        raise NotImplementedError("ShardedOptimizer.add_param_group")
+        raise NotImplementedError(
+            "data_parallel.ShardedOptimizer.add_param_group: not implemented yet"
+        )

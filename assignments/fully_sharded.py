@@ -2,14 +2,14 @@
 
 You may use the collectives of `torch.distributed`: `all_gather_into_tensor`,
 `reduce_scatter_tensor`, `all_reduce` (and the list forms `all_gather`, `reduce_scatter`), with
-`async_op=True` where you want communication to overlap computation. Every rank calls them
+`async_op=True` where communication should overlap computation. Every rank calls them
 collectively on the default process group, in the same order.
 
-Reading:
-- Rajbhandari et al. 2020, "ZeRO: Memory Optimizations Toward Training Trillion Parameter
-  Models" (SC), section 5.3: parameter partitioning (stage 3, P_os+g+p).
-- Zhao et al. 2023, "PyTorch FSDP: Experiences on Scaling Fully Sharded Data Parallel"
-  (VLDB), sections 3 and 4: flat padded shards, forward prefetch, mixed precision.
+Hints
+    - Rajbhandari et al. 2020, "ZeRO: Memory Optimizations Toward Training Trillion Parameter
+      Models" (SC), section 5.3: parameter partitioning (stage 3, P_os+g+p).
+    - Zhao et al. 2023, "PyTorch FSDP: Experiences on Scaling Fully Sharded Data Parallel"
+      (VLDB), sections 3 and 4: flat padded shards, forward prefetch, mixed precision.
 """
 
 from __future__ import annotations
@@ -23,70 +23,56 @@ from torch import Tensor, nn
 class FullyShardedDataParallel(nn.Module):
     """Keeps only 1/p of every sharded parameter on each rank; gathers a layer just in time.
 
-    Usage, on every rank (each rank builds the very same `module`: nothing is broadcast)::
+    Sharding: the parameters of every module that is an instance of `shard_types` (a
+    Linear's weight and bias) are flattened, zero-padded at the end to p*s elements
+    (s = ceil(n/p)), and rank r keeps elements [r*s, (r+1)*s): between steps the same
+    `nn.Parameter`'s `.data` is that float32 shard, shape `(s,)`. Other parameters (norms) are
+    replicated. `self.module` is `module`, its submodules and parameters kept (hooked, never
+    replaced); every rank passes the same `module`.
 
-        model = FullyShardedDataParallel(net, compute_dtype=torch.bfloat16)
-        optimizer = torch.optim.AdamW(model.parameters())  # steps on the float32 shards
-        loss_fn(model(local_batch), local_targets).backward()
-        model.finish_gradient_synchronization()
-        optimizer.step()
+    Forward returns what `module` would with full weights, differentiably. A layer's full
+    parameters are all-gathered just before it runs (at most two layers ahead) and freed right
+    after: no reference stays in the module, the wrapper or autograd's saved tensors. Backward
+    gathers a Linear's weight again, in reverse layer order, and reduce-scatters each full
+    gradient (a float32 sum) before the backward of the layer that runs next finishes.
+    `compute_dtype` (None, `torch.float16`, `torch.bfloat16`): shards and the sharded layers'
+    floating inputs are cast to it before they travel; gradients and master shards stay float32.
 
-    Sharding (at construction)
-        - Every module `m` in `module.modules()` with `isinstance(m, shard_types)` is a *sharded
-          layer*; all its own parameters (`m.named_parameters(recurse=False)`: a Linear's weight
-          AND bias) are sharded. Every other parameter (a norm's weight, say) is *replicated*:
-          kept whole on every rank, as in DDP.
-        - A sharded parameter of n elements is flattened and zero-padded at the end to p*s
-          elements, s = ceil(n/p); rank r keeps elements [r*s, (r+1)*s). Between steps the
-          parameter (the same `nn.Parameter` object, so `module.parameters()` and any optimizer
-          see it) has `.data` equal to this float32 shard, of shape `(s,)`.
-        - `self.module` is `module`. Sharded layers run in their registration order in forward.
-        - Keep `module`'s submodules and parameters as they are (the same objects, at the same
-          names): hook them, do not replace or wrap them. The tests hook them too, right
-          after construction: register your hooks in `__init__`, so that your gathers run
-          before the tests' hooks.
+    `finish_gradient_synchronization()`, after each backward: a sharded parameter's `.grad` is
+    its shard of the mean gradient (`(s,)`, float32, padding zero), a replicated one's the mean.
+    `gather_full_params()`: every full float32 parameter, by its name in the unwrapped module.
 
-    forward(*args, **kwargs)
-        Returns what `module(*args, **kwargs)` would with the full weights, differentiably.
-        - Just before a sharded layer runs, its full parameters are all-gathered from the shards
-          (the first n elements of the gathered p*s, reshaped: never the padding). The gather
-          of the next layer(s) may be issued while a layer computes (prefetch), but at most two
-          layers ahead of the one computing: never everything up front.
-        - Right after the layer ran, its full parameters are freed: nothing (not the module,
-          not your wrapper, not autograd's saved tensors) keeps them until backward.
-        - In backward, a layer whose backward needs its full weight (a Linear: the input's
-          gradient is grad_out @ W) gathers it again, in reverse layer order, and frees it after.
-          An Embedding's backward needs only the indices: it need not be gathered again.
-        - As soon as a sharded parameter's full gradient is computed, it is reduce-scattered
-          (sum, float32, padded to p*s with zeros): rank r gets the sum of elements
-          [r*s, (r+1)*s) over ranks. One reduce-scatter per sharded parameter per step.
+    Communication per step: one all-gather per sharded parameter in the compute dtype in
+    forward, again for the Linear weights in backward, (p-1)/p of its bytes each; one float32
+    reduce-scatter per sharded parameter; the replicated gradients' all-reduce.
 
-    compute_dtype (None, or e.g. `torch.float16`, `torch.bfloat16`)
-        - The shard is cast to `compute_dtype` BEFORE it is all-gathered (16-bit gathers move
-          half the bytes); the sharded layers' floating-point inputs are cast to it too, so that
-          they compute in it. Integer inputs (token ids) stay as they are.
-        - Gradients: the full gradient (in the compute dtype) is cast to float32 before the
-          reduce-scatter; `.grad` and the master shards are float32.
-
-    finish_gradient_synchronization()
-        Call once after every `backward()`. Waits for the outstanding reduce-scatters and
-        all-reduces the replicated parameters' gradients. Afterwards:
-        - a sharded parameter's `.grad` is this rank's shard of the MEAN gradient over ranks:
-          shape `(s,)`, float32, the padding's elements zero;
-        - a replicated parameter's `.grad` is the mean over ranks, identical on every rank.
-        A parameter with no gradient on this rank (unused) contributes zeros.
-
-    gather_full_params() -> dict[str, Tensor]
-        Collective. The full float32 parameters by name, exactly as
-        `module.named_parameters()` names them when unwrapped ("fc1.weight"), at their
-        original shapes, padding removed; replicated ones as they are.
-
-    Communication per step (per rank, p ranks, N sharded elements, c bytes per compute
-    element): all-gather in forward ~ (p-1)/p N c, again in backward for the Linear weights,
-    reduce-scatter ~ (p-1)/p N * 4 bytes, plus the replicated gradients' all-reduce. At p = 1
-    the collectives move nothing.
+    Graded (`grader list fully_sharded`): 3 steps of SGD and AdamW in each compute dtype against
+    one process on the whole batch, within a tolerance; every gradient shard; each gather's and
+    reduce-scatter's content, order and bytes. Float32 matches up to rounding only: each rank
+    sums its own rows' gradients and the ranks' sums are added afterwards, where one process
+    sums all rows at once (`benchmarks/fsdp_split_batch.py`). Bit for bit, it equals data
+    parallelism on the same split that adds the ranks' sums in the same order.
 
     Hints
+        Usage, on every rank (each rank builds the very same `module`: nothing is broadcast)::
+
+            model = FullyShardedDataParallel(net, compute_dtype=torch.bfloat16)
+            optimizer = torch.optim.AdamW(model.parameters())  # steps on the float32 shards
+            loss_fn(model(local_batch), local_targets).backward()
+            model.finish_gradient_synchronization()
+            optimizer.step()
+
+        - Sharded layers run in their registration order in forward. Hook them, do not
+          replace or wrap them: the tests hook them too, right after construction, so
+          register your hooks in `__init__` for your gathers to run before the tests' hooks.
+        - Only the first n elements of the gathered p*s are the weight (reshaped): never the
+          padding. The gather of the next layer(s) may be issued while a layer computes
+          (prefetch), at most two layers ahead: never everything up front.
+        - Reduce-scatter a parameter's full gradient as soon as backward has computed it,
+          padded to p*s with zeros, so it overlaps the rest of the backward: rank r gets the
+          sum of elements [r*s, (r+1)*s) over ranks. `finish_gradient_synchronization` then
+          waits for them, divides by p, and all-reduces the replicated gradients; a parameter
+          this rank did not use contributes zeros.
         - `dist.all_gather_into_tensor(out, shard, async_op=True)` fills `out` of p*s elements
           with every rank's shard in rank order; `dist.reduce_scatter_tensor(out, full_padded)`
           is its mirror. Keep the handle and `.wait()` before you use the result.
@@ -99,22 +85,16 @@ class FullyShardedDataParallel(nn.Module):
           receives its gradient is the classic way.
         - `torch.autograd.graph.saved_tensors_hooks(pack, unpack)` around the forward lets you
           replace a full weight that autograd saves for backward by a note, and gather it again
-          in `unpack`, which backward calls exactly when it needs it.
-
-    Pitfalls
+          in `unpack`, which backward calls exactly when it needs it. Autograd saves a view of
+          the weight (`weight.t()` for a Linear), not the tensor: recognise it by its storage
+          while its layer is gathered.
         - Gather and reduce-scatter each sharded parameter on its own (a Linear's weight and
           bias are two gathers), not a layer's parameters concatenated into one flat buffer
           as PyTorch FSDP's FlatParameter does: the tests tell parameters by their sizes.
-        - Autograd saves a view of the weight (`weight.t()` for a Linear), not the tensor:
-          recognise it by its storage while its layer is gathered.
         - A prefetched gather whose layer does not run must still be waited for.
-        - The mean, not the sum: divide by p.
-        - The padding must never reach the gathered weight nor the gradient: slice [:n].
-        - Parameter counts that p does not divide (the graded models have them everywhere).
-        - Cast before communicating, not after: a float32 gather of a bfloat16 model moves twice
-          the bytes.
-        - `.grad` of a sharded parameter has the shard's shape and float32, not the full shape,
-          not the compute dtype.
+        - The mean, not the sum: divide by p. Integer inputs (token ids) are not cast.
+        - Cast before communicating, not after: a float32 gather of a bfloat16 model moves
+          twice the bytes. Cast the full gradient to float32 before the reduce-scatter.
         - All ranks must issue the same collectives in the same order (gathers, prefetches and
           reduce-scatters alike), or they deadlock.
     """
@@ -126,13 +106,22 @@ class FullyShardedDataParallel(nn.Module):
         shard_types: tuple[type[nn.Module], ...] = (nn.Linear, nn.Embedding),
     ) -> None:
         super().__init__()
-        raise NotImplementedError("FullyShardedDataParallel.__init__: shard the parameters")
+        raise NotImplementedError(
+            "fully_sharded.FullyShardedDataParallel.__init__: not implemented yet"
+        )
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        raise NotImplementedError("FullyShardedDataParallel.forward: gather, run, free")
+        raise NotImplementedError(
+            "fully_sharded.FullyShardedDataParallel.forward: not implemented yet"
+        )
 
     def finish_gradient_synchronization(self) -> None:
-        raise NotImplementedError("FullyShardedDataParallel.finish_gradient_synchronization")
+        raise NotImplementedError(
+            "fully_sharded.FullyShardedDataParallel.finish_gradient_synchronization: "
+            "not implemented yet"
+        )
 
     def gather_full_params(self) -> dict[str, Tensor]:
-        raise NotImplementedError("FullyShardedDataParallel.gather_full_params")
+        raise NotImplementedError(
+            "fully_sharded.FullyShardedDataParallel.gather_full_params: not implemented yet"
+        )

@@ -204,8 +204,6 @@ def print_ratios(
 
 
 def main() -> None:
-    from runner import materialize
-
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--loop-only", action="store_true", help="only a student's loop")
@@ -243,37 +241,43 @@ def main() -> None:
         medians[label] = statistics.median(regrades)
         print_ratios(medians, cpus, peaks)
         print("watch mode, each regrade:", " ".join(f"{s:.2f}" for s in regrades), "s")
-        if args.loop_only:
-            return
-        deadlocks = materialize("coll_deadlock_all", work)
-        runs = {  # each command and the exit status it must end with
-            "torchrun: 4 ranks, init + barrier + destroy": (barrier_job(work, 4), 0),
-            "grader run --submission reference (all parts)": ([
-                *grader, "run", "--submission", str(REPO / "reference"),
-                "--results", str(work / "reference.json"),
-            ], 0),
-            "grader run, the untouched stubs (all parts)": ([
-                *grader, "run", "--submission", str(REPO / "assignments"),
-                "--results", str(work / "stubs.json"),
-            ], 1),
-            "grader run collectives, every collective deadlocks": ([
-                *grader, "run", "collectives", "--submission", str(deadlocks),
-                "--results", str(work / "deadlocks.json"),
-            ], 1),
-        }  # fmt: skip
-        medians, cpus, peaks = {}, {}, {}
-        for label, (command, status) in runs.items():
-            measured = [timed(command, work, status) for _ in range(args.repeats)]
-            medians[label] = statistics.median(m.seconds for m in measured)
-            cpus[label] = statistics.median(m.cpu for m in measured)
-            peaks[label] = max(m.peak_mb for m in measured)
-        print_ratios(medians, cpus, peaks)
-        for name in ("reference", "stubs", "deadlocks"):
-            results = json.loads((work / f"{name}.json").read_text())
-            maximum = sum(t["max_score"] for t in results["tests"])
-            print(
-                f"{name}: {results['score']:g} / {maximum:g} points, {len(results['tests'])} tests"
-            )
+        if not args.loop_only:
+            whole_runs(grader, work, args.repeats)
+
+
+def whole_runs(grader: list[str], work: Path, repeats: int) -> None:
+    """Whole gradings (every part of the reference, of the stubs, a collective that deadlocks),
+    each ``repeats`` times, and a torchrun job of 4 ranks that only starts and ends (the
+    yardstick)."""
+    from runner import materialize
+
+    deadlocks = materialize("coll_deadlock_all", work)
+    runs = {  # each command and the exit status it must end with
+        "torchrun: 4 ranks, init + barrier + destroy": (barrier_job(work, 4), 0),
+        "grader run --submission reference (all parts)": ([
+            *grader, "run", "--submission", str(REPO / "reference"),
+            "--results", str(work / "reference.json"),
+        ], 0),
+        "grader run, the untouched stubs (all parts)": ([
+            *grader, "run", "--submission", str(REPO / "assignments"),
+            "--results", str(work / "stubs.json"),
+        ], 1),
+        "grader run collectives, every collective deadlocks": ([
+            *grader, "run", "collectives", "--submission", str(deadlocks),
+            "--results", str(work / "deadlocks.json"),
+        ], 1),
+    }  # fmt: skip
+    medians, cpus, peaks = {}, {}, {}
+    for label, (command, status) in runs.items():
+        measured = [timed(command, work, status) for _ in range(repeats)]
+        medians[label] = statistics.median(m.seconds for m in measured)
+        cpus[label] = statistics.median(m.cpu for m in measured)
+        peaks[label] = max(m.peak_mb for m in measured)
+    print_ratios(medians, cpus, peaks)
+    for name in ("reference", "stubs", "deadlocks"):
+        results = json.loads((work / f"{name}.json").read_text())
+        maximum = sum(t["max_score"] for t in results["tests"])
+        print(f"{name}: {results['score']:g} / {maximum:g} points, {len(results['tests'])} tests")
 
 
 if __name__ == "__main__":

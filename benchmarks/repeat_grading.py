@@ -82,13 +82,21 @@ def main() -> None:
     parser.add_argument("--parts", nargs="*", default=[], help="default: every part")
     parser.add_argument("-k", dest="keyword", help="passed to grader run")
     args = parser.parse_args()
+    selection = [*args.parts, "--submission", "reference"]
+    selection += ["-k", args.keyword] if args.keyword else []
+    flakes = reference_runs(selection, args.runs, args.hog_runs) + naive_runs(args.runs)
+    print("no flakes" if flakes == 0 else f"{flakes} flaky runs")
+    sys.exit(1 if flakes else 0)
+
+
+def reference_runs(selection: list[str], runs: int, hog_runs: int) -> int:
+    """Grade the reference ``runs`` times, then ``hog_runs`` beside two CPU hogs; the flaky
+    runs (a score that differs from the first run's, or not every point)."""
     flakes = 0
     first: dict[str, float] | None = None
     ratios: dict[str, list[float]] = {}
-    selection = [*args.parts, "--submission", "reference"]
-    selection += ["-k", args.keyword] if args.keyword else []
-    for run in range(1, args.runs + args.hog_runs + 1):
-        beside = run > args.runs
+    for run in range(1, runs + hog_runs + 1):
+        beside = run > runs
         with cpu_hogs(2 if beside else 0):
             results, seconds = grade(selection)
         scores = {t["name"]: t["score"] for t in results["tests"]}
@@ -116,20 +124,18 @@ def main() -> None:
             "at the median",
             flush=True,
         )
+    return flakes
+
+
+def naive_runs(runs: int) -> int:
+    """Grade the naive all-reduce ``runs`` times; the flaky runs (any communication point, or
+    a score that differs from the first run's)."""
+    flakes = 0
     naive: dict[str, float] | None = None
-    for run in range(1, args.runs + 1):
+    for run in range(1, runs + 1):
+        sizes = ["--world-size", "3", "--world-size", "4"]
         results, seconds = grade(
-            [
-                "collectives",
-                "--submission",
-                str(NAIVE),
-                "-k",
-                "all_reduce",
-                "--world-size",
-                "3",
-                "--world-size",
-                "4",
-            ]
+            ["collectives", "--submission", str(NAIVE), "-k", "all_reduce", *sizes]
         )
         earned, maximum = cost_points(results, "communication[all_reduce]")
         scores = {t["name"]: t["score"] for t in results["tests"]}
@@ -141,8 +147,7 @@ def main() -> None:
             f"{seconds:.0f} s",
             flush=True,
         )
-    print("no flakes" if flakes == 0 else f"{flakes} flaky runs")
-    sys.exit(1 if flakes else 0)
+    return flakes
 
 
 if __name__ == "__main__":

@@ -45,20 +45,24 @@ class Cause(str, Enum):
 class RankFailure(Exception):
     """The submission failed a call; ``outcome`` is the test's outcome, ``cause`` what it is
     (:class:`Cause`), the text its message, ``case`` the input case the call ran on (its
-    message names it: " (case: ...)")."""
+    message names it: " (case: ...)"), ``check`` which failure of its cause it is where
+    one cause has several (the exception and the line of the student's code that raised)."""
 
     outcome = protocol.ERROR
     cause = Cause.RAISED
 
-    def __init__(self, message: str = "", case: str = "", cause: Cause | None = None) -> None:
+    def __init__(
+        self, message: str = "", case: str = "", cause: Cause | None = None, check: str = ""
+    ) -> None:
         super().__init__(message)
         self.case = case
+        self.check = check
         if cause is not None:
             self.cause = cause
 
     def with_hint(self, hint: str) -> RankFailure:
         """The same failure, with what the test knows of its cause after the message."""
-        return type(self)(f"{self} ({hint})", self.case, self.cause)
+        return type(self)(f"{self} ({hint})", self.case, self.cause, self.check)
 
 
 class NotImplementedYet(RankFailure):

@@ -1,11 +1,11 @@
 """Every message between the trusted grader and a rank, declared in one place.
 
 Frames (:mod:`grader.wire`) carry a ``type``; each side handles a type with a
-method of its own (``broker_<type>`` on a rank, ``rank_<type>`` in the
-broker). What a rank says is untrusted: the broker reads it through the
-typed records below, which validate every field and clean every text (length
-capped, control characters removed) before it can reach a verdict, the
-terminal or results.json.
+method of its own (``broker_<type>`` on a rank; in the broker, the handler its table
+names, :class:`grader.broker.server.Broker`). What a rank says is untrusted: the
+broker reads it through the typed records below, which validate every field and clean
+every text (length capped, control characters removed) before it can reach a verdict,
+the terminal or results.json.
 
 Rank to broker::
 
@@ -57,9 +57,14 @@ from __future__ import annotations
 import math
 import re
 import signal
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from enum import Enum
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from grader.wire import Frame
 
 # Outcomes of a graded test.
 PASSED = "passed"
@@ -109,6 +114,41 @@ RELAY_ONLY = (EXITED, BROKEN)
 REFUSED_ERROR = "BrokerRefused"
 
 MAX_TEXT = 2000
+
+
+class OpName(str, Enum):
+    """What an operation a rank posts is, by the name torch.distributed gives it: a message, a
+    wait for one, a mark, or a built-in collective. The broker's record, its rules and every
+    judge of a call compare against these, never against a string of their own."""
+
+    SEND = "send"
+    RECV = "recv"
+    WAIT = "wait"
+    MARK = "mark"
+    BARRIER = "barrier"
+    BROADCAST = "broadcast"
+    REDUCE = "reduce"
+    ALL_REDUCE = "all_reduce"
+    SCATTER = "scatter"
+    GATHER = "gather"
+    ALL_GATHER = "all_gather"
+    REDUCE_SCATTER = "reduce_scatter"
+    ALL_TO_ALL = "all_to_all"
+
+    __str__ = str.__str__  # "send" in a message, as the wire carries it
+    __format__ = str.__format__
+
+
+class Form(str, Enum):
+    """The calls of torch.distributed that are another layout of one collective: the whole
+    tensor cut into the pieces the collective (:class:`OpName`) moves."""
+
+    ALL_GATHER_INTO_TENSOR = "all_gather_into_tensor"
+    REDUCE_SCATTER_TENSOR = "reduce_scatter_tensor"
+    ALL_TO_ALL_SINGLE = "all_to_all_single"
+
+    __str__ = str.__str__
+    __format__ = str.__format__
 
 
 def rank_socket(socket_dir: Path, rank: int) -> Path:
@@ -248,3 +288,44 @@ class RankExit:
     def stopped_by_grader(self) -> bool:
         """Killed as part of ending the job, not on its own (SIGKILL, SIGTERM)."""
         return self.status in (-9, -15)
+
+
+@dataclass(frozen=True)
+class CallRequest:
+    """One call a graded test asks of the ranks: the submission's ``function`` or the grader's
+    scenario (``target``, ``"part.name"``) on the first ``world_size`` ranks, rank r on
+    ``args[r]``, and how the broker records it. ``gates[r]``: the
+    :class:`grader.broker.ops.Gate` rank r's scenario passes, in order; ``fresh``: a test's
+    first call, for which every rank starts the submission afresh."""
+
+    world_size: int
+    target: str
+    args: Sequence[Sequence[Any]]
+    scenario: bool = False
+    case: str = ""  # the input case, which every message of a failed call names
+    gates: Sequence[Sequence[Any]] = ()
+    keep_payloads: bool = True
+    fresh: bool = False
+    timed: bool = False
+
+    @property
+    def part(self) -> str:
+        return self.target.split(".")[0]
+
+    def frames(self, call_id: int) -> list[Frame]:
+        """The CALL frame each rank gets: the target, its arguments packed for the wire."""
+        from grader import wire  # torch: only where a call is made
+
+        frames = []
+        for rank_args in self.args:
+            node, buffers = wire.pack(list(rank_args))
+            header = {
+                "type": CALL,
+                "call": call_id,
+                "world_size": self.world_size,
+                "scenario" if self.scenario else "function": self.target,
+                "args": node,
+                "fresh": self.fresh,
+            }
+            frames.append(wire.Frame(header, buffers))
+        return frames

@@ -12,37 +12,26 @@ messages across ranks.
 from __future__ import annotations
 
 import contextlib
-import time
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass
 
 from grader.bench import p2p
-
-
-@dataclass(frozen=True)
-class LoggedMessage:
-    """A message the bench's rank logged: which way, with whom, how big, and when."""
-
-    op: str  # "send" or "recv"
-    peer: int
-    nbytes: int
-    tag: int
-    time: float  # time.perf_counter() when logged
+from grader.broker.traffic import Message
+from grader.protocol import OpName
 
 
 class CommLog(p2p.MessageLog):
     def __init__(self) -> None:
-        self.events: list[LoggedMessage] = []
+        self.events: list[Message] = []
 
     def on_send(self, peer: int, nbytes: int, tag: int) -> None:
-        self.events.append(LoggedMessage("send", peer, nbytes, tag, time.perf_counter()))
+        self.events.append(Message(OpName.SEND, peer, nbytes, tag))
 
     def on_recv(self, peer: int, nbytes: int, tag: int) -> None:
-        self.events.append(LoggedMessage("recv", peer, nbytes, tag, time.perf_counter()))
+        self.events.append(Message(OpName.RECV, peer, nbytes, tag))
 
-    def messages(self) -> list[dict]:
-        """The messages, in program order, as JSON-ready records."""
-        return [asdict(e) for e in self.events]
+    def messages(self) -> list[Message]:
+        """The messages, in program order, as the replays read them."""
+        return list(self.events)
 
 
 @contextlib.contextmanager

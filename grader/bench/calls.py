@@ -18,6 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from grader.protocol import OpName
 from grader.testkit.calls import ROOT
 
 
@@ -57,13 +58,13 @@ def collective_call(
     out = torch.empty(piece, device=device)
     work = data.clone()
     calls = {
-        "broadcast": lambda: fn(work, ROOT),
-        "reduce": lambda: fn(work, ROOT),
-        "all_reduce": lambda: fn(work),
-        "scatter": lambda: fn(out, pieces if rank == ROOT else None, ROOT),
-        "gather": lambda: fn(pieces[0], empty if rank == ROOT else None, ROOT),
-        "all_gather": lambda: fn(empty, pieces[0]),
-        "reduce_scatter": lambda: fn(out, pieces),
-        "all_to_all": lambda: fn(empty, pieces),
+        OpName.BROADCAST: lambda: fn(work, ROOT),
+        OpName.REDUCE: lambda: fn(work, ROOT),
+        OpName.ALL_REDUCE: lambda: fn(work),
+        OpName.SCATTER: lambda: fn(out, pieces if rank == ROOT else None, ROOT),
+        OpName.GATHER: lambda: fn(pieces[0], empty if rank == ROOT else None, ROOT),
+        OpName.ALL_GATHER: lambda: fn(empty, pieces[0]),
+        OpName.REDUCE_SCATTER: lambda: fn(out, pieces),
+        OpName.ALL_TO_ALL: lambda: fn(empty, pieces),
     }
     return calls[function]

@@ -16,13 +16,33 @@ import contextlib
 import functools
 import inspect
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
-_PEER_ARGUMENT = {"send": "dst", "isend": "dst", "recv": "src", "irecv": "src"}
+
+@dataclass(frozen=True)
+class _Watched:
+    """What a point-to-point function of torch.distributed does: send or receive, at once
+    (blocking) or by a request."""
+
+    sends: bool
+    blocking: bool
+
+    @property
+    def peer_argument(self) -> str:
+        return "dst" if self.sends else "src"
+
+
+_WATCHED = {
+    "send": _Watched(sends=True, blocking=True),
+    "recv": _Watched(sends=False, blocking=True),
+    "isend": _Watched(sends=True, blocking=False),
+    "irecv": _Watched(sends=False, blocking=False),
+}
 
 
 class MessageLog:
@@ -44,13 +64,11 @@ _depth = 0
 
 def install() -> None:
     """Replace the point-to-point functions; call once, before the submission is imported."""
-    for name in ("send", "recv", "isend", "irecv"):
+    for name, watched in _WATCHED.items():
         original = getattr(c10d, name)
         if getattr(original, "_grader_watched", False):
             continue
-        wrapper = (
-            _blocking(name, original) if name in ("send", "recv") else _posting(name, original)
-        )
+        wrapper = _blocking(name, original) if watched.blocking else _posting(name, original)
         wrapper._grader_watched = True  # type: ignore[attr-defined]
         setattr(c10d, name, wrapper)
         setattr(dist, name, wrapper)
@@ -60,8 +78,8 @@ def _peer_and_tag(name: str, original: Callable, args: tuple, kwargs: dict) -> t
     """The call's peer as a global rank (-1: any rank), and its tag."""
     bound = _signature(original).bind(*args, **kwargs)
     arguments = bound.arguments
-    peer = arguments.get(_PEER_ARGUMENT[name])
-    group_peer = arguments.get("group_" + _PEER_ARGUMENT[name])
+    peer = arguments.get(_WATCHED[name].peer_argument)
+    group_peer = arguments.get("group_" + _WATCHED[name].peer_argument)
     group = arguments.get("group")
     if peer is None and group_peer is not None:
         peer = dist.get_global_rank(group, group_peer) if group is not None else group_peer
@@ -80,7 +98,7 @@ def _signature(function: Callable) -> inspect.Signature:
 def _record(name: str, tensor: torch.Tensor, peer: int, tag: int) -> None:
     if active_log is None:
         return
-    if name in ("send", "isend"):
+    if _WATCHED[name].sends:
         active_log.on_send(peer, _nbytes(tensor), tag)
     else:
         active_log.on_recv(peer, _nbytes(tensor), tag)
@@ -110,10 +128,11 @@ def _blocking(name: str, original: Callable) -> Callable:
 def _logged_blocking(name: str, original: Callable, args: tuple, kwargs: dict) -> Any:
     peer, tag = _peer_and_tag(name, original, args, kwargs)
     tensor = args[0] if args else kwargs["tensor"]
-    if name == "send":
+    sends = _WATCHED[name].sends
+    if sends:
         _record(name, tensor, peer, tag)
     result = original(*args, **kwargs)
-    if name == "recv":
+    if not sends:
         _record(name, tensor, peer if peer >= 0 else int(result), tag)
     return result
 
@@ -125,12 +144,13 @@ def _posting(name: str, original: Callable) -> Callable:
             return original(*args, **kwargs)
         peer, tag = _peer_and_tag(name, original, args, kwargs)
         tensor = args[0] if args else kwargs["tensor"]
-        if name == "isend":
+        sends = _WATCHED[name].sends
+        if sends:
             _record(name, tensor, peer, tag)
         work = original(*args, **kwargs)
         if work is None:
             return None
-        on_done = (lambda: _record(name, tensor, peer, tag)) if name == "irecv" else None
+        on_done = (lambda: _record(name, tensor, peer, tag)) if not sends else None
         return TrackedWork(work, on_done)
 
     return wrapper

@@ -208,7 +208,6 @@ def plot(results: list[BenchResult], path: Path) -> Path:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    from matplotlib.ticker import FuncFormatter
 
     functions = list(dict.fromkeys(r["function"] for res in results for r in res.records))
     columns = min(3, max(1, len(functions)))
@@ -217,47 +216,10 @@ def plot(results: list[BenchResult], path: Path) -> Path:
     figure, axes = plt.subplots(
         rows, columns, figsize=(width, 4.2 * rows), squeeze=False, dpi=PLOT_DPI
     )
-    colors = {"student": "tab:blue", "reference": "tab:orange", "torch": "tab:green"}
-    lines = ("-", "--", ":", "-.")  # one line style per world size
     legend: dict[str, Any] = {}
     for axis, function in zip(axes.flat, functions, strict=False):
-        for index, result in enumerate(results):
-            for impl in IMPLEMENTATIONS:
-                points = sorted(
-                    (r["bytes"], busbw(r, result.world_size))
-                    for r in result.records
-                    if r["function"] == function and r["impl"] == impl and "seconds" in r
-                )
-                if points:
-                    xs, ys = zip(*points, strict=True)
-                    label = f"{impl}, {result.world_size} ranks"
-                    (line,) = axis.plot(
-                        xs,
-                        ys,
-                        linestyle=lines[index % len(lines)],
-                        marker="o",
-                        markersize=4,
-                        linewidth=1.8,
-                        color=colors[impl],
-                        label=label,
-                    )
-                    legend.setdefault(label, line)
-        missing = [
-            f"{impl}: {word}" for impl, (word, _) in failures(_all(results), function).items()
-        ]
-        if missing:  # a line left out says why
-            axis.text(0.02, 0.02, "\n".join(missing), transform=axis.transAxes, fontsize=10)
-        axis.set_xscale("log", base=2)
-        measured = sorted({x for line in axis.get_lines() for x in line.get_xdata()})
-        step = max(1, -(-len(measured) // 8))  # at most 8 labels: they never overlap
-        axis.set_xticks(measured[::step])
-        axis.xaxis.set_major_formatter(FuncFormatter(lambda x, _: binary_size(x)))
-        axis.xaxis.set_minor_formatter(FuncFormatter(lambda x, _: ""))
-        axis.set_title(function, fontsize=13)
-        axis.set_xlabel("message size (bytes)", fontsize=11)
-        axis.set_ylabel("bus bandwidth (GB/s)", fontsize=11)
-        axis.tick_params(labelsize=9)
-        axis.grid(alpha=0.3)
+        for label, line in _panel(axis, function, results).items():
+            legend.setdefault(label, line)
     for axis in list(axes.flat)[len(functions) :]:
         axis.set_visible(False)
     legend_share = 2.3 / width  # of the figure's width, on the right
@@ -275,3 +237,45 @@ def plot(results: list[BenchResult], path: Path) -> Path:
     figure.savefig(path, dpi=PLOT_DPI)
     plt.close(figure)
     return path
+
+
+_COLORS = {"student": "tab:blue", "reference": "tab:orange", "torch": "tab:green"}
+_LINES = ("-", "--", ":", "-.")  # one line style per world size
+
+
+def _panel(axis: Any, function: str, results: list[BenchResult]) -> dict[str, Any]:
+    """One collective's panel: a line per implementation and world size, and why a line is
+    missing; its lines, by label, for the figure's legend."""
+    from matplotlib.ticker import FuncFormatter
+
+    drawn: dict[str, Any] = {}
+    for index, result in enumerate(results):
+        for impl in IMPLEMENTATIONS:
+            points = sorted(
+                (r["bytes"], busbw(r, result.world_size))
+                for r in result.records
+                if r["function"] == function and r["impl"] == impl and "seconds" in r
+            )
+            if points:
+                xs, ys = zip(*points, strict=True)
+                label = f"{impl}, {result.world_size} ranks"
+                (line,) = axis.plot(
+                    xs, ys, linestyle=_LINES[index % len(_LINES)], marker="o", markersize=4,
+                    linewidth=1.8, color=_COLORS[impl], label=label,
+                )  # fmt: skip
+                drawn.setdefault(label, line)
+    missing = [f"{impl}: {word}" for impl, (word, _) in failures(_all(results), function).items()]
+    if missing:  # a line left out says why
+        axis.text(0.02, 0.02, "\n".join(missing), transform=axis.transAxes, fontsize=10)
+    axis.set_xscale("log", base=2)
+    measured = sorted({x for line in axis.get_lines() for x in line.get_xdata()})
+    step = max(1, -(-len(measured) // 8))  # at most 8 labels: they never overlap
+    axis.set_xticks(measured[::step])
+    axis.xaxis.set_major_formatter(FuncFormatter(lambda x, _: binary_size(x)))
+    axis.xaxis.set_minor_formatter(FuncFormatter(lambda x, _: ""))
+    axis.set_title(function, fontsize=13)
+    axis.set_xlabel("message size (bytes)", fontsize=11)
+    axis.set_ylabel("bus bandwidth (GB/s)", fontsize=11)
+    axis.tick_params(labelsize=9)
+    axis.grid(alpha=0.3)
+    return drawn

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from grader.broker import rules
+from grader.protocol import OpName
 
 if TYPE_CHECKING:
     from grader.broker.ops import Op
@@ -30,7 +31,12 @@ REDUCTIONS: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
 }
 #: The collectives with a root, and how a message names it: a broadcast or a scatter starts at
 #: it, a reduce or a gather ends there.
-ROOTED = {"broadcast": "from", "scatter": "from", "reduce": "to", "gather": "to"}
+ROOTED = {
+    OpName.BROADCAST: "from",
+    OpName.SCATTER: "from",
+    OpName.REDUCE: "to",
+    OpName.GATHER: "to",
+}
 
 
 def reduce(tensors: list[torch.Tensor], op: str) -> torch.Tensor:
@@ -47,25 +53,25 @@ def compute(
 ) -> list[list[torch.Tensor]]:
     """Every member's outputs, from every member's inputs (both in group order)."""
     p = len(inputs)
-    if name == "barrier":
+    if name == OpName.BARRIER:
         return [[] for _ in range(p)]
-    if name == "all_reduce":
+    if name == OpName.ALL_REDUCE:
         reduced = [reduce([inputs[r][i] for r in range(p)], op) for i in range(len(inputs[0]))]
         return [list(reduced) for _ in range(p)]
-    if name == "broadcast":
+    if name == OpName.BROADCAST:
         return [list(inputs[root]) for _ in range(p)]
-    if name == "reduce":  # the others' tensors are left as they were
+    if name == OpName.REDUCE:  # the others' tensors are left as they were
         reduced = [reduce([inputs[r][i] for r in range(p)], op) for i in range(len(inputs[0]))]
         return [reduced if s == root else list(inputs[s]) for s in range(p)]
-    if name == "gather":
+    if name == OpName.GATHER:
         return [[inputs[r][0] for r in range(p)] if s == root else [] for s in range(p)]
-    if name == "scatter":
+    if name == OpName.SCATTER:
         return [[inputs[root][s]] for s in range(p)]
-    if name == "all_gather":
+    if name == OpName.ALL_GATHER:
         return [[inputs[r][0] for r in range(p)] for _ in range(p)]
-    if name == "reduce_scatter":
+    if name == OpName.REDUCE_SCATTER:
         return [[reduce([inputs[r][s] for r in range(p)], op)] for s in range(p)]
-    if name == "all_to_all":
+    if name == OpName.ALL_TO_ALL:
         return [[inputs[r][s] for r in range(p)] for s in range(p)]
     raise ValueError(f"the broker does not provide {name}")
 
@@ -75,11 +81,11 @@ def produced(members: list[Op]) -> int:
     together), from their inputs' sizes, before anything is computed."""
     sizes = [[len(buffer) for buffer in op.payload] for op in members]
     p, kind = len(members), members[0].kind
-    if kind == "all_gather":  # every member gets every member's tensor
+    if kind == OpName.ALL_GATHER:  # every member gets every member's tensor
         return p * sum(inputs[0] for inputs in sizes if inputs)
-    if kind in ("reduce_scatter", "all_to_all"):  # each piece lands once, or one sum of p
-        return sum(map(sum, sizes)) // (p if kind == "reduce_scatter" else 1)
-    if kind == "broadcast":  # every member gets the root's tensors
+    if kind in (OpName.REDUCE_SCATTER, OpName.ALL_TO_ALL):  # each piece lands once, or one sum of p
+        return sum(map(sum, sizes)) // (p if kind == OpName.REDUCE_SCATTER else 1)
+    if kind == OpName.BROADCAST:  # every member gets the root's tensors
         root = members[0].collective.root
         return p * sum(sizes[root]) if 0 <= root < p else 0
     return p * max(map(sum, sizes), default=0)  # all_reduce: every member gets one sum
@@ -103,8 +109,8 @@ def run(members: list[Op]) -> list[list[torch.Tensor]]:
         call = op.collective  # an all-to-all's pieces may differ in size from rank to rank
         # and only a scatter's root has inputs
         return (op.kind, call.root, call.reduce_op,
-                len(call.inputs) if op.kind == "all_to_all" else
-                call.outputs if op.kind == "scatter" else call.inputs)  # fmt: skip
+                len(call.inputs) if op.kind == OpName.ALL_TO_ALL else
+                call.outputs if op.kind == OpName.SCATTER else call.inputs)  # fmt: skip
 
     for op in members[1:]:
         if signature(op) != signature(first):
@@ -112,7 +118,7 @@ def run(members: list[Op]) -> list[list[torch.Tensor]]:
                 f"the ranks disagree on a collective: rank {first.rank} calls "
                 f"{describe_collective(first)} while rank {op.rank} calls {describe_collective(op)}"
             )
-    if first.kind == "all_to_all":
+    if first.kind == OpName.ALL_TO_ALL:
         _check_splits(members)
     root = first.collective.root
     if first.kind in ROOTED and not 0 <= root < len(first.group):

@@ -8,7 +8,7 @@ A rank of this machine gets its shared-memory segment (:mod:`grader.segment`) in
 first frame on its connection; what the broker sends it goes through the segment when
 it fits there. A relayed rank gets none.
 
-What the broker's rules answer a rank is sent in order by :meth:`Connections._send`,
+What the broker's rules answer a rank is sent in order by :meth:`Connections.send`,
 under the lock, but never waiting on the rank there: its payloads go into the rank's
 segment, and the frame goes at once if the socket takes it whole; anything else is
 queued for the rank's own writer thread. A rank that stops reading blocks its writer
@@ -34,9 +34,9 @@ import contextlib
 import socket
 import threading
 import time
-from abc import ABC, abstractmethod
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from grader import protocol, segment, wire
 from grader.broker import accounting
@@ -68,7 +68,7 @@ class Outbox:
     # start a sleep) long before the writing thread gets a CPU again.
     reached_at: float | None = None
     # The rank's release once they are written: its call's local time, the figures it is
-    # free with, and the earliest it is free from (:meth:`Connections._release`).
+    # free with, and the earliest it is free from (:meth:`Connections.release`).
     then: tuple[LocalTime, Reading | None, float] | None = None
     lock: threading.Lock = field(default_factory=threading.Lock)  # held while one is written
 
@@ -78,24 +78,46 @@ class Outbox:
         return bool(self.frames) or self.writing
 
 
-class Connections(ABC):
-    def __init__(self, world_size: int, frame_bytes: int) -> None:
+class Reader(Protocol):
+    """Who reads the ranks' frames (the broker), each call under the connections' lock."""
+
+    def handle(self, rank: int, frame: Frame, unreadable: wire.WireError | None) -> None:
+        """A frame from ``rank``'s own code; ``unreadable``: why its payloads were not taken."""
+
+    def holds(self, frame: Frame) -> bool:
+        """Whether ``frame``'s payloads stay in its rank's ring (asked without the lock)."""
+
+    def records(self, rank: int) -> tuple[int, int]: ...  # events, waits of its call on record
+
+    def relay_said(self, rank: int, frame: Frame) -> None:
+        """A frame only ``rank``'s trusted relay may send (:data:`protocol.RELAY_ONLY`)."""
+
+    def broke(self, rank: int, error: str) -> None:
+        """``rank``'s bytes broke the frame format: its connection is read no further."""
+
+
+class Connections:
+    """Every rank's connection, its state (:class:`RankState`) and what is queued for it;
+    ``cv`` is the one lock of the broker's parts. Each frame read goes to ``reader``."""
+
+    def __init__(self, world_size: int, frame_bytes: int, reader: Reader) -> None:
         self.world_size = world_size
+        self.reader = reader
         self._frame_bytes = frame_bytes  # the most one frame of a rank may hold
         lock = threading.RLock()
-        self._cv = threading.Condition(lock)
-        self._ranks = [RankState(r) for r in range(world_size)]
-        self._outboxes = [Outbox(threading.Condition(lock)) for _ in range(world_size)]
+        self.cv = threading.Condition(lock)
+        self.ranks = [RankState(r) for r in range(world_size)]
+        self.outboxes = [Outbox(threading.Condition(lock)) for _ in range(world_size)]
         self._listeners: list[socket.socket] = []
         self.ended: str | None = None  # why the job as a whole ended, once it did
         self._closed = False  # the pool closed: every writer thread ends
 
     def end_job(self, why: str) -> None:
         """The job cannot go on (its torchrun exited, a node went): wake whoever waits."""
-        with self._cv:
+        with self.cv:
             if self.ended is None:
                 self.ended = why
-            self._cv.notify_all()
+            self.cv.notify_all()
 
     def accept_on(self, listeners: list[socket.socket]) -> None:
         """Take over every rank's listening Unix socket (rank r's at ``listeners[r]``): the
@@ -105,13 +127,13 @@ class Connections(ABC):
             threading.Thread(target=self._accept, args=(rank, listener), daemon=True).start()
 
     def dead(self) -> list[int]:
-        with self._cv:
-            return [r.rank for r in self._ranks if not r.alive]
+        with self.cv:
+            return [r.rank for r in self.ranks if not r.alive]
 
     def close(self) -> None:
-        with self._cv:
+        with self.cv:
             self._closed = True
-            for state, outbox in zip(self._ranks, self._outboxes, strict=True):
+            for state, outbox in zip(self.ranks, self.outboxes, strict=True):
                 outbox.ready.notify()
                 if state.sock is not None:
                     with contextlib.suppress(OSError):  # ends a write in progress, if any
@@ -140,21 +162,21 @@ class Connections(ABC):
         ``relayed``: the connection comes from the rank's trusted relay on another
         node, which may add what only it knows (:data:`protocol.RELAY_ONLY`).
         """
-        with self._cv:
-            state = self._ranks[rank]
+        with self.cv:
+            state = self.ranks[rank]
             if state.sock is not None:  # one connection per rank
                 sock.close()
                 return
             state.sock = sock
             state.segment = None if relayed else _offer_segment(sock)
-            self._cv.notify_all()
+            self.cv.notify_all()
         threading.Thread(target=self._write, args=(rank, sock), daemon=True).start()
         # The process to meter is the one that speaks: its wrapper made the connection.
         pid = None if relayed else accounting.sender_pid(sock)
         meter = accounting.Meter(pid) if pid is not None else None
-        with self._cv:
+        with self.cv:
             state.meter = meter
-        outbox = self._outboxes[rank]
+        outbox = self.outboxes[rank]
         began: list[float] = [0.0]
 
         def beginning() -> None:  # a frame's first bytes: the rank ran at least until then
@@ -165,12 +187,12 @@ class Connections(ABC):
                 # Whole: from now on the rank may wait on the broker. A reading costs some
                 # 10 µs: only where the call is timed.
                 arrived = meter.read() if meter is not None and state.local.measured else None
-                hold = state.running and self._holds(frame)
+                hold = state.running and self.reader.holds(frame)
                 unreadable = _take_payloads(state.segment, frame, hold)
-                with self._cv:
+                with self.cv:
                     outcome = state.outcome
                     if relayed and frame.header["type"] in protocol.RELAY_ONLY:
-                        self._relay_said(rank, frame)
+                        self.reader.relay_said(rank, frame)
                     else:
                         self._arrived(
                             rank, frame, unreadable, _late(state, meter, arrived), began[0]
@@ -179,12 +201,12 @@ class Connections(ABC):
                         frame.header["type"] not in protocol.OPERATIONS
                         or state.outcome is not outcome
                     ):
-                        self._cv.notify_all()
+                        self.cv.notify_all()
         except (OSError, wire.WireError) as err:
             if not isinstance(err, OSError):
-                with self._cv:
-                    self._broke(rank, str(err))
-        with self._cv:
+                with self.cv:
+                    self.reader.broke(rank, str(err))
+        with self.cv:
             state.alive = False
             outbox.ready.notify()  # its writer ends
             if state.segment is not None:
@@ -192,7 +214,7 @@ class Connections(ABC):
                 state.segment = None
             if meter is not None:
                 meter.close()
-            self._cv.notify_all()
+            self.cv.notify_all()
 
     def _arrived(
         self, rank: int, frame: Frame, unreadable: wire.WireError | None,
@@ -200,16 +222,16 @@ class Connections(ABC):
     ) -> None:  # fmt: skip
         """Handle a frame of ``rank``'s that ``arrived`` whole, its first bytes at ``began``
         (under the lock), and account for the rank's time around it."""
-        state, outbox = self._ranks[rank], self._outboxes[rank]
+        state, outbox = self.ranks[rank], self.outboxes[rank]
         if state.running and outbox.then is not None:
             # This frame began before the writer, late to the lock, freed the rank: it was
             # free from when the latest write to it began, or at the latest from this frame's
             # beginning (it ran).
             _run_release(outbox, _freed(outbox, began))
         if state.running:
-            state.local.arrived(arrived, self._records(rank))
+            state.local.arrived(arrived, self.reader.records(rank))
         written = outbox.reached_at
-        self._handle(rank, frame, unreadable)
+        self.reader.handle(rank, frame, unreadable)
         if state.running and state.blocked_on is None:
             # Free from the answer written to it meanwhile, if any (the write woke it, and it
             # may have run before this thread), else from the frame's arrival: it waits for
@@ -217,17 +239,17 @@ class Connections(ABC):
             # the rank's threads.
             answered = outbox.reached_at
             at = answered if answered != written else arrived.at if arrived else None
-            self._release(rank, arrived, at)
+            self.release(rank, arrived, at)
 
     # -- what the broker sends ----------------------------------------------------------------
 
-    def _send(self, rank: int, frame: Frame) -> float | None:
+    def send(self, rank: int, frame: Frame) -> float | None:
         """Send ``frame`` to ``rank`` (under the lock). If nothing is queued before it, its
         payloads go into the rank's segment at once, and the frame goes out at once if the
         rank's own socket takes it whole without waiting: then the moment that write began.
         What is left of it otherwise goes to the rank's writer thread, as does every frame
         to a rank behind a relay (None: queued, or dropped for a rank gone)."""
-        state, outbox = self._ranks[rank], self._outboxes[rank]
+        state, outbox = self.ranks[rank], self.outboxes[rank]
         if state.sock is None or not state.alive:
             return None
         queued: Frame | bytes = frame
@@ -244,7 +266,7 @@ class Connections(ABC):
                 except OSError:
                     state.alive = False
                     outbox.ready.notify()  # its writer ends
-                    self._cv.notify_all()
+                    self.cv.notify_all()
                     return None
                 if sent == len(data):
                     outbox.reached_at = at
@@ -254,13 +276,13 @@ class Connections(ABC):
         outbox.ready.notify()
         return None
 
-    def _release(self, rank: int, reading: Reading | None, at: float | None) -> None:
+    def release(self, rank: int, reading: Reading | None, at: float | None) -> None:
         """``rank`` is free (its call's local time runs), with ``reading``'s figures, from
         ``at`` (None: now), or, if something queued for it waits to be written, from when
         the last system call writing that began, if later: their transfer is never its free
         time. A frame of the rank's that begins before then frees it at once: it ran."""
-        outbox = self._outboxes[rank]
-        outbox.then = (self._ranks[rank].local, reading, at if at is not None else time.monotonic())
+        outbox = self.outboxes[rank]
+        outbox.then = (self.ranks[rank].local, reading, at if at is not None else time.monotonic())
         if not outbox.busy:
             _run_release(outbox)
 
@@ -268,14 +290,14 @@ class Connections(ABC):
         """Write the frames queued for ``rank``, in order, payloads into its segment where they
         fit, until its connection ends or the pool closes (the thread's body). A rank that does
         not read blocks only this thread."""
-        state, outbox = self._ranks[rank], self._outboxes[rank]
+        state, outbox = self.ranks[rank], self.outboxes[rank]
         try:
             while True:
                 with outbox.ready:
                     if outbox.writing and not outbox.frames:
                         # All written: the rank is free from then, and who waits for that goes on.
                         _run_release(outbox, outbox.reached_at)
-                        self._cv.notify_all()
+                        self.cv.notify_all()
                     outbox.writing = False
                     while not outbox.frames and state.alive and not self._closed:
                         outbox.ready.wait()
@@ -292,33 +314,11 @@ class Connections(ABC):
         except OSError:
             pass
         finally:  # whatever ended it, nothing more is written to this connection
-            with self._cv:
+            with self.cv:
                 state.alive = False
                 outbox.frames.clear()
                 outbox.writing = False
-                self._cv.notify_all()
-
-    @abstractmethod
-    def _handle(self, rank: int, frame: Frame, unreadable: wire.WireError | None) -> None:
-        """A frame from ``rank``'s own code (under the lock); ``unreadable``: why the payloads
-        it names in the rank's segment could not be taken (:func:`_take_payloads`)."""
-
-    @abstractmethod
-    def _holds(self, frame: Frame) -> bool:
-        """Whether ``frame``'s payloads stay in its rank's out ring until handed over
-        (:class:`grader.segment.Held`), read before the lock is taken."""
-
-    @abstractmethod
-    def _records(self, rank: int) -> tuple[int, int]:
-        """How many events and waits of ``rank``'s call are on record (under the lock)."""
-
-    @abstractmethod
-    def _relay_said(self, rank: int, frame: Frame) -> None:
-        """A frame only ``rank``'s trusted relay may send (:data:`protocol.RELAY_ONLY`)."""
-
-    @abstractmethod
-    def _broke(self, rank: int, error: str) -> None:
-        """``rank``'s bytes broke the frame format: its connection is read no further."""
+                self.cv.notify_all()
 
 
 def _write_all(sock: socket.socket, parts: list[bytes], outbox: Outbox) -> None:

@@ -11,6 +11,7 @@ from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
 
 from grader.broker.ops import Op, RankState
+from grader.protocol import OpName
 
 Queues = dict[tuple[int, int, int], deque[Op]]
 
@@ -35,7 +36,7 @@ def deadlock(states: Sequence[RankState]) -> str | None:
     return "deadlock: " + " while ".join(waits) + (returned if done else "")
 
 
-_NEVER = {"recv": "sending", "send": "receiving"}  # what a returned peer never did
+_NEVER = {OpName.RECV: "sending", OpName.SEND: "receiving"}  # what a returned peer never did
 
 
 def _wait(op: Op, finished: set[int]) -> str:
@@ -75,13 +76,13 @@ def never_waited(ops: Iterable[Op]) -> Iterator[str]:
     unwaited = [op for op in ops if not (op.waited or op.refused)]
     for op in sorted(unwaited, key=lambda op: (op.rank, op.id)):
         where = f" at {op.at or '?'}"
-        if op.kind == "send":
+        if op.kind == OpName.SEND:
             yield (
                 f"rank {op.rank}: the isend to rank {op.peer}{where} was never waited: call "
                 ".wait() on its request before the function returns (on NCCL its buffer may "
                 "be reused before it is sent)"
             )
-        elif op.kind == "recv":
+        elif op.kind == OpName.RECV:
             yield (
                 f"rank {op.rank}: the irecv from rank {op.peer}{where} was never waited, so "
                 "its data never arrived: call .wait() on its request before using the tensor"

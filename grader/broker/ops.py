@@ -11,7 +11,7 @@ import torch
 from grader import wire
 from grader.broker.accounting import LocalTime, Meter
 from grader.failures import Fault
-from grader.protocol import ProtocolError, RankError, TensorMeta, clean, field_int
+from grader.protocol import OpName, ProtocolError, RankError, TensorMeta, clean, field_int
 from grader.segment import BrokerSegment
 from grader.wire import Frame
 
@@ -75,7 +75,7 @@ class Gate:
         carried ``needs``."""
         if not self.needs:
             return True
-        if event.op != "all_reduce" or event.group != world:
+        if event.op != OpName.ALL_REDUCE or event.group != world:
             return False
         if not event.payload or len(event.payload) > 1 << 24:
             return False
@@ -149,9 +149,9 @@ class Op:
 
     def describe(self) -> str:
         where = f" at {self.at}" if self.at else ""
-        if self.kind == "send":
+        if self.kind == OpName.SEND:
             return f"send to rank {self.peer}{where}"
-        if self.kind == "recv":
+        if self.kind == OpName.RECV:
             return f"recv from rank {self.peer}{where}"
         return f"{self.kind}{where}"
 
@@ -253,7 +253,7 @@ def tensor_of(meta: TensorMeta, buffer: bytes) -> torch.Tensor:
 
 def describe_collective(op: Op) -> str:
     sizes = ", ".join(map(str, op.collective.inputs))
-    root = f" from root {op.collective.root}" if op.kind == "broadcast" else ""
+    root = f" from root {op.collective.root}" if op.kind == OpName.BROADCAST else ""
     return f"{op.kind}{root} of [{sizes}] at {op.at or '?'}"
 
 

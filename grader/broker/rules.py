@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from grader.broker.ops import CollectiveCall, TensorMeta
+from grader.protocol import Form, OpName
 
 Rule = Callable[[str, CollectiveCall, int], "str | None"]
 
@@ -91,7 +92,7 @@ def _inputs_like_output(form: str, call: CollectiveCall, p: int) -> str | None:
 
 def _one_per_rank(form: str, call: CollectiveCall, p: int) -> str | None:
     """A gather's root gives one output per rank, a scatter's root one input per rank."""
-    tensors = call.outputs if form == "gather" else call.inputs
+    tensors = call.outputs if form == OpName.GATHER else call.inputs
     if tensors and len(tensors) != p:
         return f"{form}: the root's list has {len(tensors)} tensors, gloo wants one per rank ({p})"
     return None
@@ -111,7 +112,7 @@ def _cut_whole(form: str, call: CollectiveCall, p: int) -> str | None:
     """``all_gather_into_tensor``'s output, ``reduce_scatter_tensor``'s input: gloo cuts it
     into ``p`` pieces along its first dimension, each of the other tensor's shape
     (``reduce_scatter_tensor`` checks the size and the first dimension only)."""
-    gathers = form == "all_gather_into_tensor"
+    gathers = form == Form.ALL_GATHER_INTO_TENSOR
     whole, names = call.whole, ("output", "input") if gathers else ("input", "output")
     part = (call.inputs if gathers else call.outputs)[0]
     if whole is None or whole.shape is None or not part.shape:
@@ -151,17 +152,17 @@ def _contiguous_whole(form: str, call: CollectiveCall, p: int) -> str | None:
 
 
 RULES: dict[str, tuple[Rule, ...]] = {
-    "all_reduce": (_dense_inputs,),
-    "broadcast": (_dense_inputs,),
-    "reduce": (_dense_inputs,),
-    "all_gather": (_outputs_like_input,),
-    "gather": (_one_per_rank, _outputs_like_input),
-    "all_gather_into_tensor": (_cut_whole,),
-    "reduce_scatter": (_inputs_like_output,),
-    "scatter": (_one_per_rank, _inputs_like_output, _dense_outputs),
-    "reduce_scatter_tensor": (_cut_whole,),
-    "all_to_all": (_same_shapes,),
-    "all_to_all_single": (_contiguous_whole,),
+    OpName.ALL_REDUCE: (_dense_inputs,),
+    OpName.BROADCAST: (_dense_inputs,),
+    OpName.REDUCE: (_dense_inputs,),
+    OpName.ALL_GATHER: (_outputs_like_input,),
+    OpName.GATHER: (_one_per_rank, _outputs_like_input),
+    Form.ALL_GATHER_INTO_TENSOR: (_cut_whole,),
+    OpName.REDUCE_SCATTER: (_inputs_like_output,),
+    OpName.SCATTER: (_one_per_rank, _inputs_like_output, _dense_outputs),
+    Form.REDUCE_SCATTER_TENSOR: (_cut_whole,),
+    OpName.ALL_TO_ALL: (_same_shapes,),
+    Form.ALL_TO_ALL_SINGLE: (_contiguous_whole,),
 }
 
 

@@ -25,39 +25,89 @@ waits for it (``wait``, ``is_completed``, ``get_future``): the waits the broker 
 are then the points after which a rank can have used what it received, which is what
 the replays of :mod:`grader.judge.replay` rest on.
 
-One thread reads each rank and another writes to it (:mod:`grader.broker.connections`);
-all state is guarded by one lock. Handlers are
-``rank_<type>`` methods, one per message type of :mod:`grader.protocol`; the rules that
-match, compute and deliver a call's operations are :mod:`grader.broker.matching`'s.
+The broker holds three parts, each readable alone: the ranks' connections, one thread
+reading each rank and another writing to it (:mod:`grader.broker.connections`); the
+current call's state and the rules that match, compute and deliver its operations
+(:mod:`grader.broker.matching`); and what each operation a rank posts does to the call
+(:mod:`grader.broker.posting`). All state is guarded by the connections' one lock; the
+broker's table names the handler of each message type of :mod:`grader.protocol`.
 """
 
 from __future__ import annotations
 
+import socket
 import time
+from collections.abc import Callable
 
 from grader import protocol, wire
+from grader.broker.connections import Connections
 from grader.broker.matching import Matching
-from grader.broker.ops import (
-    CollectiveCall,
-    Gate,
-    LimitExceeded,
-    Limits,
-    RankState,
-    Returned,
-    check_payload,
-)
-from grader.broker.traffic import Event, GatePass, Wait
+from grader.broker.ops import Gate, LimitExceeded, Limits, Problem, RankState, Returned
+from grader.broker.posting import Posting
+from grader.broker.traffic import Traffic
 from grader.failures import Fault
-from grader.protocol import ProtocolError, RankError, RankExit, clean, field_int
-from grader.segment import settled
+from grader.protocol import ProtocolError, RankError, RankExit, clean
 from grader.wire import Frame
 
+Handler = Callable[[RankState, Frame], None]
 
-class Broker(Matching):
+
+class Broker:
+    """The parts it holds, each readable alone: the ranks' ``connections``, the current call's
+    ``matching``, and ``posting``, what each operation a rank posts does to that call."""
+
     def __init__(self, world_size: int, limits: Limits | None = None) -> None:
-        super().__init__(world_size, limits or Limits())
+        limits = limits or Limits()
+        self.connections = Connections(world_size, limits.frame_bytes, self)
+        self.matching = Matching(self.connections, limits)
+        self.posting = Posting(self.matching)
         self.exits: dict[int, RankExit] = {}  # what the relays of ranks on other nodes said
-        self.forbid_collectives = False
+        self._cv, self._ranks = self.connections.cv, self.connections.ranks
+        posting = self.posting
+        self._handlers: dict[str, Handler] = {
+            protocol.HELLO: self._hello,
+            protocol.SEGMENT: self._segment,
+            protocol.IMPORTING: self._importing,
+            protocol.IMPORTED: self._imported,
+            protocol.STACK: self._stack,
+            protocol.MARK: posting.mark,
+            protocol.SEND: posting.send,
+            protocol.RECV: posting.recv,
+            protocol.COLLECTIVE: posting.collective,
+            protocol.GATE: posting.gate,
+            protocol.WAIT: posting.wait,
+            protocol.RESULT: posting.result,
+            protocol.FAILURE: posting.failure,
+        }
+
+    # -- the connections' and the call's, as the grader reads them ---------------------------
+
+    @property
+    def traffic(self) -> Traffic:
+        return self.matching.traffic
+
+    @property
+    def problems(self) -> list[Problem]:
+        return self.matching.problems
+
+    @property
+    def ended(self) -> str | None:
+        return self.connections.ended
+
+    def accept_on(self, listeners: list[socket.socket]) -> None:
+        self.connections.accept_on(listeners)
+
+    def serve(self, rank: int, sock: socket.socket, relayed: bool = False) -> None:
+        self.connections.serve(rank, sock, relayed)
+
+    def end_job(self, why: str) -> None:
+        self.connections.end_job(why)
+
+    def dead(self) -> list[int]:
+        return self.connections.dead()
+
+    def close(self) -> None:
+        self.connections.close()
 
     # -- what the grader asks --------------------------------------------------------------
 
@@ -81,18 +131,19 @@ class Broker(Matching):
         for the tests that read it; without it, a payload lives only until it is delivered.
         ``timed``: each rank's local time is measured, from the kernel's figures read at its
         every frame (the performance tests'); other calls read none."""
+        call, connections = self.matching, self.connections
         with self._cv:
-            self.active = len(frames)
-            self._reset_call()
-            self.forbid_collectives = forbid_collectives
-            self.keep_payloads = keep_payloads
+            call.active = len(frames)
+            call.reset_call()
+            call.forbid_collectives = forbid_collectives
+            call.keep_payloads = keep_payloads
             for state, frame in zip(self._ranks, frames, strict=False):
                 state.start_call(gates[state.rank] if gates else [], timed)
                 # Its figures before it has the call, free once it has: what it runs as soon
                 # as the frame arrives counts, however late this thread gets a CPU again.
                 before = state.meter.read() if state.meter and state.local.measured else None
-                self._release(state.rank, before, self._send(state.rank, frame))
-            self.traffic.local = [state.local for state in self._ranks[: self.active]]
+                connections.release(state.rank, before, connections.send(state.rank, frame))
+            call.traffic.local = [state.local for state in self._ranks[: call.active]]
 
     def wait_connected(self, deadline: float) -> bool:
         """Wait until every rank is up: connected, and spoken (True); or a rank died, the job
@@ -110,8 +161,8 @@ class Broker(Matching):
         if all returned."""
         with self._cv:
             while True:
-                if all(r.outcome is not None for r in self._ranks[: self.active]):
-                    self._check_leftovers()
+                if all(r.outcome is not None for r in self._ranks[: self.matching.active]):
+                    self.matching.check_leftovers()
                     return True
                 if self._stopped() or not self._cv.wait(max(0.0, deadline - time.monotonic())):
                     return False
@@ -129,11 +180,13 @@ class Broker(Matching):
 
     def outcomes(self) -> list[Returned | RankError | None]:
         with self._cv:
-            return [r.outcome for r in self._ranks[: self.active]]
+            return [r.outcome for r in self._ranks[: self.matching.active]]
 
     def still_running(self) -> list[int]:
         with self._cv:
-            return [r.rank for r in self._ranks[: self.active] if r.alive and r.outcome is None]
+            return [
+                r.rank for r in self._ranks[: self.matching.active] if r.alive and r.outcome is None
+            ]
 
     def importing(self) -> dict[int, str]:
         with self._cv:
@@ -145,7 +198,7 @@ class Broker(Matching):
         with self._cv:
             for rank in ranks:
                 self._ranks[rank].stack = None
-                self._send(rank, Frame({"type": protocol.DUMP_STACK}))
+                self.connections.send(rank, Frame({"type": protocol.DUMP_STACK}))
             while any(self._ranks[r].stack is None and self._ranks[r].alive for r in ranks):
                 if not self._cv.wait(max(0.0, deadline - time.monotonic())):
                     break
@@ -156,7 +209,7 @@ class Broker(Matching):
         or queued) after up to ``timeout`` seconds: they stopped reading."""
         deadline = time.monotonic() + timeout
         with self._cv:
-            while busy := {r for r in ranks if self._outboxes[r].busy}:
+            while busy := {r for r in ranks if self.connections.outboxes[r].busy}:
                 if not self._cv.wait(max(0.0, deadline - time.monotonic())):
                     break
             return busy
@@ -166,21 +219,29 @@ class Broker(Matching):
         with self._cv:
             return {r.rank: r.blocked_on.describe() for r in self._ranks if r.blocked_on}
 
-    def _broke(self, rank: int, error: str) -> None:
-        self._fault(Fault.PROTOCOL, f"rank {rank} broke the protocol: {error}")
+    # -- what the connections hand over (:class:`grader.broker.connections.Reader`) ----------
 
-    def _relay_said(self, rank: int, frame: Frame) -> None:
+    def holds(self, frame: Frame) -> bool:
+        return self.matching.holds(frame)
+
+    def records(self, rank: int) -> tuple[int, int]:
+        return self.matching.records(rank)
+
+    def broke(self, rank: int, error: str) -> None:
+        self.matching.fault(Fault.PROTOCOL, f"rank {rank} broke the protocol: {error}")
+
+    def relay_said(self, rank: int, frame: Frame) -> None:
         if frame.header["type"] == protocol.EXITED:
             self.exits[rank] = RankExit.read(frame.header)
         else:
             error = clean(frame.header.get("error", ""), 300)
-            self._fault(Fault.PROTOCOL, f"rank {rank} broke the protocol: {error}")
+            self.matching.fault(Fault.PROTOCOL, f"rank {rank} broke the protocol: {error}")
 
-    def _handle(self, rank: int, frame: Frame, unreadable: wire.WireError | None) -> None:
+    def handle(self, rank: int, frame: Frame, unreadable: wire.WireError | None) -> None:
         state = self._ranks[rank]
         if state.broken:
             return  # nothing a rank says after breaking the protocol counts in this call
-        handler = getattr(self, f"rank_{frame.header['type']}", None)
+        handler = self._handlers.get(frame.header["type"])
         try:
             if unreadable is not None:
                 raise unreadable
@@ -189,150 +250,33 @@ class Broker(Matching):
             handler(state, frame)
         except LimitExceeded as err:
             message = f"rank {rank} {err}"
-            self._fault(Fault.LIMIT, message)
+            self.matching.fault(Fault.LIMIT, message)
         except (ProtocolError, wire.WireError, KeyError, TypeError, ValueError) as err:
             message = f"rank {rank} broke the protocol: {err}"
-            self._fault(Fault.PROTOCOL, message)
+            self.matching.fault(Fault.PROTOCOL, message)
         else:
             return
         if state.running:  # its call is over: the broker no longer listens to it
             state.broken = True
-            self._finish(state, RankError(protocol.REFUSED_ERROR, clean(message)))
+            self.matching.finish(state, RankError(protocol.REFUSED_ERROR, clean(message)))
 
-    # -- what a rank sends, one method per message -------------------------------------------
+    # -- what a rank says of itself, outside its call's operations (:class:`Posting`'s) -------
 
-    def rank_hello(self, state: RankState, frame: Frame) -> None:
+    def _hello(self, state: RankState, frame: Frame) -> None:
         state.up = True
 
-    def rank_segment(self, state: RankState, frame: Frame) -> None:
+    def _segment(self, state: RankState, frame: Frame) -> None:
         """The rank mapped the segment it was given: the broker's answers may use it now."""
         if state.segment is None:
             raise ProtocolError("a shared segment it was never given")
         state.segment.mapped = True
 
-    def rank_importing(self, state: RankState, frame: Frame) -> None:
+    def _importing(self, state: RankState, frame: Frame) -> None:
         state.importing = clean(frame.header.get("module", ""), 80)
 
-    def rank_imported(self, state: RankState, frame: Frame) -> None:
+    def _imported(self, state: RankState, frame: Frame) -> None:
         state.importing = ""
 
-    def rank_stack(self, state: RankState, frame: Frame) -> None:
+    def _stack(self, state: RankState, frame: Frame) -> None:
         raw = frame.header.get("frames")
         state.stack = [clean(f, 300) for f in raw[:30]] if isinstance(raw, list) else []
-
-    def rank_mark(self, state: RankState, frame: Frame) -> None:
-        if state.running:
-            state.count(self.limits)
-            label = clean(frame.header.get("label", ""), 80)
-            self.traffic.per_rank[state.rank].append(Event("mark", -1, 0, at=label))
-
-    def rank_send(self, state: RankState, frame: Frame) -> None:
-        op = self._op(state, frame, "send")
-        if len(frame.buffers) != 1 or op.meta is None:
-            raise ProtocolError("a send carries exactly one tensor")
-        check_payload(op.meta, frame.buffers[0], "a send")
-        if self._check_peer(op) and self._hold(state, op, len(frame.buffers[0])):
-            if self.keep_payloads:
-                state.record(len(frame.buffers[0]), self.limits)
-            self._within_budget(state, op)
-            if self.keep_payloads:
-                frame = settled(frame)  # held as it was read, just before this call began
-            op.payload = frame.buffers
-            self._queue(self._sends, (op.rank, op.peer, op.tag), op)
-
-    def rank_recv(self, state: RankState, frame: Frame) -> None:
-        op = self._op(state, frame, "recv")
-        if self._check_peer(op):
-            self._queue(self._recvs, (op.peer, op.rank, op.tag), op)
-
-    def rank_collective(self, state: RankState, frame: Frame) -> None:
-        name = clean(frame.header.get("name", ""), 40)
-        op = self._op(state, frame, name)
-        if self.forbid_collectives:
-            self._fault(
-                Fault.FORBIDDEN,
-                f"rank {state.rank}: called a built-in collective ({name}) at {op.at or '?'}: "
-                "built-in collectives are not allowed in this part; "
-                "build it from send/recv/isend/irecv",
-            )
-            self._refuse(op, "built-in collectives are not allowed in this part")
-            return
-        group = protocol.field_ranks(frame.header, self.active)
-        if state.rank not in group:
-            raise ProtocolError("a rank posted a collective of a group it is not in")
-        op.group, op.call = group, CollectiveCall.read(frame.header)
-        if len(frame.buffers) != len(op.call.inputs):
-            raise ProtocolError("a collective carries one payload per input tensor")
-        for meta, buffer in zip(op.call.inputs, frame.buffers, strict=True):
-            check_payload(meta, buffer, f"{name}'s input")
-        op.payload = frame.buffers
-        nbytes = sum(len(b) for b in op.payload)
-        if not self._hold(state, op, nbytes):
-            return
-        inputs = op.call.inputs
-        dtype = inputs[0].dtype if inputs else ""
-        # As posted, with the dtype: a bucket flattened in float32 shows here, not only in bytes.
-        op.event = len(self.traffic.per_rank[state.rank])
-        if self.keep_payloads:
-            state.record(nbytes, self.limits)
-        self._within_budget(state, op)
-        self.traffic.per_rank[state.rank].append(
-            Event(
-                name,
-                -1,
-                nbytes,
-                at=op.at,
-                dtype=dtype,
-                payload=b"".join(op.payload) if self.keep_payloads else b"",
-                pieces=tuple(map(len, op.payload)),
-                root=source(name, op.call.root, group),
-                group=group,
-            )
-        )
-        sequence = self._sequence[(state.rank, group)]
-        self._sequence[(state.rank, group)] += 1
-        pending = self._collectives.setdefault((group, sequence), {})
-        pending[state.rank] = op
-        if len(pending) == len(group):
-            del self._collectives[(group, sequence)]
-            self._run_collective([pending[r] for r in group])
-
-    def rank_gate(self, state: RankState, frame: Frame) -> None:
-        op = self._op(state, frame, protocol.GATE)
-        label = clean(frame.header.get("label", ""), 80)
-        if not state.gates or state.gates[0].label != label:
-            raise ProtocolError(f"a gate {label!r} where the call has none")
-        gate, events = state.gates.pop(0), self.traffic.per_rank[state.rank]
-        world = tuple(range(self.active))
-        opened = any(gate.opened_by(e, world) for e in events[state.gate_from :])
-        self.traffic.gates[state.rank].append(GatePass(label, opened, len(events)))
-        state.gate_from = len(events)
-        self._complete(op, [gate.secret])
-
-    def rank_wait(self, state: RankState, frame: Frame) -> None:
-        """The rank asks for an operation's outcome; ``block``: it waits until it comes."""
-        op = self._ops.get((state.rank, field_int(frame.header, "op", 0)))
-        if op is None:
-            return
-        state.count(self.limits)
-        if not op.waited:
-            op.waited = True
-            waits = self.traffic.waits[state.rank]
-            waits.append(Wait(len(self.traffic.per_rank[state.rank]), op.event))
-        if op.held is not None:
-            self._deliver(op)
-        elif not op.done and frame.header.get("block", True) is not False:
-            state.blocked_on = op
-            self._check_deadlock()
-
-    def rank_result(self, state: RankState, frame: Frame) -> None:
-        self._finish(state, Returned.read(frame.header, frame.buffers))
-
-    def rank_failure(self, state: RankState, frame: Frame) -> None:
-        self._finish(state, RankError.read(frame.header.get("error")))
-
-
-def source(name: str, root: int, group: tuple[int, ...]) -> int:
-    """The global rank a collective called ``name`` with group rank ``root`` broadcasts from;
-    -1 if it is no broadcast, or its root is outside the group (the broker refuses it)."""
-    return group[root] if name == "broadcast" and 0 <= root < len(group) else -1

@@ -13,6 +13,7 @@ from time import monotonic
 from typing import Any
 
 from grader.broker.accounting import Gap, LocalTime
+from grader.protocol import OpName
 
 
 @dataclass(frozen=True)
@@ -39,8 +40,43 @@ class Event:
     # matched it; empty for any other op. What a collective carried reached only these ranks.
     group: tuple[int, ...] = field(default=(), compare=False)
 
-    def as_dict(self) -> dict[str, Any]:
-        return {"op": self.op, "peer": self.peer, "nbytes": self.nbytes, "tag": self.tag}
+
+@dataclass(frozen=True)
+class Message:
+    """One entry of a rank's message log, as the replays read it (:meth:`Traffic.messages`):
+    a send or a receive (its peer, bytes and tag), or a wait for the rank's ``of``-th entry."""
+
+    op: OpName  # SEND, RECV or WAIT
+    peer: int = -1
+    nbytes: int = 0
+    tag: int = 0
+    of: int = -1  # a wait's: the position of the entry it waits for
+
+    @classmethod
+    def of_event(cls, event: Event) -> Message:
+        return cls(OpName(event.op), event.peer, event.nbytes, event.tag)
+
+    @classmethod
+    def wait(cls, of: int) -> Message:
+        return cls(OpName.WAIT, of=of)
+
+    @classmethod
+    def from_json(cls, raw: object) -> Message:
+        """An entry of ``reference_traces.json``; ValueError if it is not one."""
+        if not isinstance(raw, dict) or raw.get("op") not in _LOGGED:
+            raise ValueError(f"not a logged message: {raw!r}")
+        fields = ("of",) if raw["op"] == OpName.WAIT else ("peer", "nbytes", "tag")
+        if set(raw) != {"op", *fields} or not all(type(raw[f]) is int for f in fields):
+            raise ValueError(f"not a logged message: {raw!r}")
+        return cls(OpName(raw["op"]), **{f: raw[f] for f in fields})
+
+    def to_json(self) -> dict[str, Any]:
+        if self.op is OpName.WAIT:
+            return {"op": self.op.value, "of": self.of}
+        return {"op": self.op.value, "peer": self.peer, "nbytes": self.nbytes, "tag": self.tag}
+
+
+_LOGGED = (OpName.SEND, OpName.RECV, OpName.WAIT)
 
 
 @dataclass(frozen=True)
@@ -109,9 +145,9 @@ class Traffic:
             [[] for _ in ranks], [[] for _ in ranks], [0 for _ in ranks], [[] for _ in ranks]
         )
 
-    def messages(self) -> list[list[dict[str, Any]]]:
+    def messages(self) -> list[list[Message]]:
         """Every rank's point-to-point events and its waits for them, in program order, as the
-        replays want them: ``{"op": "wait", "of": i}`` waits for the rank's i-th message."""
+        replays want them: ``Message.wait(i)`` waits for the rank's i-th message."""
         return [[entry for _, entry in self._messages(rank)] for rank in range(len(self.per_rank))]
 
     def local_work(self) -> list[RankWork] | None:
@@ -136,15 +172,15 @@ class Traffic:
             yield (len(events), wait[0]), events[wait[1].of], wait[1]
             wait = next(pending, None)
 
-    def _messages(self, rank: int) -> Iterator[tuple[tuple[int, int], dict[str, Any]]]:
+    def _messages(self, rank: int) -> Iterator[tuple[tuple[int, int], Message]]:
         """:meth:`messages` of one rank, each entry with when it was recorded."""
         index: dict[int, int] = {}  # position among all events -> among the messages
         count = 0
         for recorded, event, wait in self._records(rank):
             if wait is not None and wait.of in index:
-                entry = {"op": "wait", "of": index[wait.of]}
+                entry = Message.wait(index[wait.of])
             elif wait is None and event.peer >= 0:
-                index[recorded[0]], entry = count, event.as_dict()
+                index[recorded[0]], entry = count, Message.of_event(event)
             else:
                 continue
             count += 1
@@ -180,7 +216,7 @@ class Traffic:
         return [
             e
             for e in self.per_rank[rank]
-            if e.peer < 0 and e.op != "mark" and (not names or e.op in names)
+            if e.peer < 0 and e.op != OpName.MARK and (not names or e.op in names)
         ]
 
     @property
@@ -191,7 +227,7 @@ class Traffic:
     def among_all(self, event: Event) -> bool:
         """Whether the event is a message, a mark, or a collective of every rank of the call;
         not a collective of a smaller group (of one: what it carried never left its rank)."""
-        return event.peer >= 0 or event.op == "mark" or event.group == self.world
+        return event.peer >= 0 or event.op == OpName.MARK or event.group == self.world
 
     def exchanged(self, rank: int) -> list[Event]:
         """The rank's events, its collectives of any group but the whole call's left out: what
@@ -209,8 +245,8 @@ class Traffic:
         if passed is None:
             return None
         events = self.per_rank[rank]
-        operations = [e for e in events[: passed.after] if e.op != "mark"]
-        return operations, [e for e in events[passed.after :] if e.op != "mark"]
+        operations = [e for e in events[: passed.after] if e.op != OpName.MARK]
+        return operations, [e for e in events[passed.after :] if e.op != OpName.MARK]
 
     def handed_after(self, rank: int, event: int) -> int | None:
         """How many of the rank's events came before the broker handed it what its receive

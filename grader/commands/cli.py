@@ -84,46 +84,9 @@ def main(argv: list[str] | None = None) -> int:
 def _main(argv: list[str] | None) -> int:
     console = make_console()
     try:
-        args, extra = parser().parse_known_args(argv)
-        if extra and (args.command != "batch" or any(e.startswith("-") for e in extra)):
-            raise UsageError(f"unrecognized arguments: {' '.join(extra)}")
-        if extra:
-            args.parts += extra  # batch's PARTs may follow its options (as in the sbatch recipe)
+        args = _arguments(argv)
         activate(find_config(args.config))
-        config = load_config()
-        if args.command == "gradescope":
-            from grader.commands.gradescope import build_zip
-
-            console.print(f"autograder zip written to {build_zip(config, args.output)}")
-            return EXIT_PASSED
-        if args.command == "release":
-            from grader.commands.release import build_release
-
-            made = build_release(config, args.output)
-            for name in made.partly_hidden:
-                console.print(f"[yellow]warning[/]: {name} is released whole with hidden tests")
-            left_out = f" (hidden, left out: {', '.join(made.left_out)})" if made.left_out else ""
-            console.print(f"student release written to {made.path}{left_out}", highlight=False)
-            return EXIT_PASSED
-        parts = getattr(args, "parts", None) or list(config.parts)
-        for part in parts:
-            config.part(part)  # an unknown part is a usage error
-        if args.command == "list":
-            from grader.commands.listing import list_tests
-
-            return list_tests(console, config, parts)
-        if args.command == "doctor":
-            from grader.commands.doctor import doctor
-
-            return EXIT_PASSED if doctor(console, config, args.sandbox) else EXIT_CANNOT_GRADE
-        modules = [f"{part}.py" for part in config.parts]
-        if args.command == "bench":
-            from grader.commands.listing import bench
-
-            return bench(console, args, modules)
-        if args.command == "batch":
-            return batching.command(args, config, parts)
-        return _grade_run(console, args, config, parts, modules)
+        return _command(console, args, load_config())
     except (
         NodesError,
         UsageError,
@@ -137,6 +100,52 @@ def _main(argv: list[str] | None) -> int:
     except KeyboardInterrupt:  # before grading began
         console.print("[bold red]interrupted[/]: every worker was stopped")
         return EXIT_INTERRUPTED
+
+
+def _arguments(argv: list[str] | None) -> argparse.Namespace:
+    args, extra = parser().parse_known_args(argv)
+    if extra and (args.command != "batch" or any(e.startswith("-") for e in extra)):
+        raise UsageError(f"unrecognized arguments: {' '.join(extra)}")
+    if extra:
+        args.parts += extra  # batch's PARTs may follow its options (as in the sbatch recipe)
+    return args
+
+
+def _command(console: Console, args: argparse.Namespace, config: GradingConfig) -> int:
+    """Run the command ``args`` name, under ``config``; its exit status."""
+    if args.command == "gradescope":
+        from grader.commands.gradescope import build_zip
+
+        console.print(f"autograder zip written to {build_zip(config, args.output)}")
+        return EXIT_PASSED
+    if args.command == "release":
+        from grader.commands.release import build_release
+
+        made = build_release(config, args.output)
+        for name in made.partly_hidden:
+            console.print(f"[yellow]warning[/]: {name} is released whole with hidden tests")
+        left_out = f" (hidden, left out: {', '.join(made.left_out)})" if made.left_out else ""
+        console.print(f"student release written to {made.path}{left_out}", highlight=False)
+        return EXIT_PASSED
+    parts = getattr(args, "parts", None) or list(config.parts)
+    for part in parts:
+        config.part(part)  # an unknown part is a usage error
+    if args.command == "list":
+        from grader.commands.listing import list_tests
+
+        return list_tests(console, config, parts)
+    if args.command == "doctor":
+        from grader.commands.doctor import doctor
+
+        return EXIT_PASSED if doctor(console, config, args.sandbox) else EXIT_CANNOT_GRADE
+    modules = [f"{part}.py" for part in config.parts]
+    if args.command == "bench":
+        from grader.commands.listing import bench
+
+        return bench(console, args, modules)
+    if args.command == "batch":
+        return batching.command(args, config, parts)
+    return _grade_run(console, args, config, parts, modules)
 
 
 def _grade_run(

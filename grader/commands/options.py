@@ -48,6 +48,17 @@ def parser() -> argparse.ArgumentParser:
         "the installed package)",
     )
     commands = parser.add_subparsers(dest="command", required=True)
+    _add_run(commands)
+    _add_bench(commands)
+    _add_course_commands(commands)
+    _add_batch(commands)
+    return parser
+
+
+Commands = argparse._SubParsersAction
+
+
+def _add_run(commands: Commands) -> None:
     run = commands.add_parser("run", help="grade a submission")
     run.add_argument("parts", nargs="*", metavar="PART", help="parts to grade (default: all)")
     run.add_argument("--submission", metavar="DIR", help="default: the repository's assignments/")
@@ -98,6 +109,9 @@ def parser() -> argparse.ArgumentParser:
     across.add_argument(
         "--rdzv-endpoint", metavar="HOST:PORT", help="node 0's address, and a free port there"
     )
+
+
+def _add_bench(commands: Commands) -> None:
     bench = commands.add_parser(
         "bench",
         help="sweep message and world sizes: yours, the reference's and torch's collectives",
@@ -115,6 +129,10 @@ def parser() -> argparse.ArgumentParser:
     bench.add_argument(
         "--output", type=Path, default=Path("bench-collectives.png"), help="where the plot goes"
     )
+
+
+def _add_course_commands(commands: Commands) -> None:
+    """``doctor``, ``list``, ``gradescope`` and ``release``: what an instructor runs."""
     doctor = commands.add_parser(
         "doctor", help="the sandbox levels this machine offers, and what fixes the others"
     )
@@ -131,6 +149,9 @@ def parser() -> argparse.ArgumentParser:
         "release", help="write the repository students get: no reference, no hidden tests"
     )
     release.add_argument("output", metavar="OUT", type=Path, help="a folder absent or empty")
+
+
+def _add_batch(commands: Commands) -> None:
     batch = commands.add_parser(
         "batch", help="grade every student's folder into OUT/<student>/ and OUT/gradebook.csv"
     )
@@ -154,4 +175,3 @@ def parser() -> argparse.ArgumentParser:
     batch.add_argument(
         "--merge", nargs="+", metavar="DIR", type=Path, help="join shards' OUT folders into --out"
     )
-    return parser

@@ -180,7 +180,7 @@ def _student_failure(
         return failures.NotImplementedYet(f"not implemented yet: {name} raises NotImplementedError")
     text = f"{who}: {first.type}: {first.message}".rstrip(": ") + first.where() + case_suffix(case)
     if first.refused:  # an attempt the TA should see: its own outcome, the line named
-        return failures.ForbiddenCall(text, case, failures.Cause.REFUSED)
+        return failures.ForbiddenCall(text, case, failures.Cause.REFUSED, first.where())
     if limit := limit_reached(f"{first.type}: {first.message}"):
         text += f"; the rank reached its sandbox's limit on {limit}"
     others = [r for r in own if r not in same]
@@ -188,7 +188,7 @@ def _student_failure(
         text += f"; rank {others[0]} also raised {own[others[0]].type}"
     if echoes:
         text += f"; then {'rank' if len(echoes) == 1 else 'ranks'} {_ranks(echoes)} waited in vain"
-    return failures.StudentError(text, case)
+    return failures.StudentError(text, case, check=f"{first.type}{first.where()}")
 
 
 def _ranks(ranks: Sequence[int]) -> str:

@@ -18,18 +18,20 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from grader.broker.traffic import Message
 from grader.judge.replay import replay
+from grader.protocol import OpName
 
 # Bytes the busiest rank must send or receive, as a multiple of n, for p ranks.
 BANDWIDTH_BOUND = {
-    "all_reduce": lambda p: 2 * (p - 1) / p,
-    "all_gather": lambda p: (p - 1) / p,
-    "reduce_scatter": lambda p: (p - 1) / p,
-    "all_to_all": lambda p: (p - 1) / p,
-    "scatter": lambda p: (p - 1) / p,
-    "gather": lambda p: (p - 1) / p,
-    "broadcast": lambda p: 1.0,
-    "reduce": lambda p: 1.0,
+    OpName.ALL_REDUCE: lambda p: 2 * (p - 1) / p,
+    OpName.ALL_GATHER: lambda p: (p - 1) / p,
+    OpName.REDUCE_SCATTER: lambda p: (p - 1) / p,
+    OpName.ALL_TO_ALL: lambda p: (p - 1) / p,
+    OpName.SCATTER: lambda p: (p - 1) / p,
+    OpName.GATHER: lambda p: (p - 1) / p,
+    OpName.BROADCAST: lambda p: 1.0,
+    OpName.REDUCE: lambda p: 1.0,
 }
 # nccl-tests' bus bandwidth factors (busbw = algbw * factor) are these same ratios: busbw
 # is the bandwidth a rank's link sees when the collective moves exactly the bound.
@@ -58,13 +60,13 @@ class Figures:
         }
 
 
-def figures(per_rank: list[list[dict[str, Any]]]) -> Figures:
+def figures(per_rank: list[list[Message]]) -> Figures:
     """Bytes, message count and rounds from every rank's logged events (program order)."""
-    sent = [sum(e["nbytes"] for e in events if e["op"] == "send") for events in per_rank]
-    received = [sum(e["nbytes"] for e in events if e["op"] == "recv") for events in per_rank]
+    sent = [sum(e.nbytes for e in events if e.op is OpName.SEND) for events in per_rank]
+    received = [sum(e.nbytes for e in events if e.op is OpName.RECV) for events in per_rank]
     traffic = [max(s, r) for s, r in zip(sent, received, strict=False)]
     busiest = max(range(len(traffic)), key=traffic.__getitem__) if traffic else 0
-    messages = sum(1 for events in per_rank for e in events if e["op"] == "send")
+    messages = sum(1 for events in per_rank for e in events if e.op is OpName.SEND)
     return Figures(
         traffic[busiest] if traffic else 0,
         busiest,
@@ -75,7 +77,7 @@ def figures(per_rank: list[list[dict[str, Any]]]) -> Figures:
     )
 
 
-def count_rounds(per_rank: list[list[dict[str, Any]]]) -> int:
+def count_rounds(per_rank: list[list[Message]]) -> int:
     """The rounds of the longest chain of messages, each waiting for the one before.
 
     One-port, full-duplex model (each rank sends at most one message and
@@ -86,11 +88,11 @@ def count_rounds(per_rank: list[list[dict[str, Any]]]) -> int:
     ranks = len(per_rank)
     clock, last_send, last_arrival = [0] * ranks, [0] * ranks, [0] * ranks
 
-    def on_send(rank: int, event: dict[str, Any]) -> float:
+    def on_send(rank: int, event: Message) -> float:
         last_send[rank] = max(clock[rank], last_send[rank]) + 1
         return last_send[rank]
 
-    def on_arrival(rank: int, event: dict[str, Any], sent_in: float) -> None:
+    def on_arrival(rank: int, event: Message, sent_in: float) -> None:
         last_arrival[rank] = max(int(sent_in), last_arrival[rank] + 1)
         clock[rank] = max(clock[rank], last_arrival[rank])
 

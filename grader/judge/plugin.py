@@ -11,8 +11,10 @@ an xfail, an interrupt or anything unexpected is not a pass.
 from __future__ import annotations
 
 import time
+import traceback
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 
 import pytest
 
@@ -131,7 +133,9 @@ class GradingPlugin:
         if report.passed and not hasattr(report, "wasxfail"):
             running.phases_passed.add(report.when)
         elif running.failure is None:
-            running.failure = self._verdict_of_failure(call, report)
+            verdict = self._verdict_of_failure(call, report)
+            err = call.excinfo.value if call.excinfo is not None else None
+            running.failure = replace(verdict, check=verdict.check or check_of(err, item.path))
             if self.grader_failure is not None:  # e.g. no job starts: the run ends, exit 2
                 item.session.shouldstop = self.grader_failure
 
@@ -149,16 +153,15 @@ class GradingPlugin:
             return Verdict(protocol.ERROR, protocol.clean(self.grader_failure), cause=Cause.GRADER)
         if isinstance(err, failures.RankFailure):
             message, case = protocol.clean(str(err)), protocol.clean(err.case)
-            return Verdict(err.outcome, message, case=case, cause=err.cause)
+            return Verdict(err.outcome, message, case=case, cause=err.cause, check=err.check)
         if isinstance(err, PartialCredit):
             message = protocol.clean(str(err))
             return Verdict(protocol.FAILED, message, fraction=record.fraction, cause=Cause.COST)
         if isinstance(err, AssertionError):
             # The graded tests run with --assert=plain: the message is the test's own.
             message = protocol.clean(str(err).strip() or "assertion failed")
-            wrong = isinstance(err, WrongResult)
-            cause = Cause.WRONG_RESULT if wrong else Cause.CHECK
-            return Verdict(protocol.FAILED, message, wrong_result=wrong, cause=cause)
+            cause = Cause.WRONG_RESULT if isinstance(err, WrongResult) else Cause.CHECK
+            return Verdict(protocol.FAILED, message, cause=cause)
         if report.skipped:
             message = "the test was skipped: a skipped test earns nothing"
             return Verdict(protocol.ERROR, message, cause=Cause.SKIPPED)
@@ -188,3 +191,14 @@ class GradingPlugin:
                 seconds=seconds,
             ),
         )
+
+
+def check_of(err: BaseException | None, test_file: Path) -> str:
+    """The name of the check that failed, where the graded test's own code raised it (its file
+    and line): the same check at every world size and in every test it serves."""
+    if err is None or isinstance(err, failures.RankFailure):
+        return ""  # the call failed, not a check of the test's: its cause says what it is
+    lines = [
+        n for f, n in traceback.walk_tb(err.__traceback__) if f.f_code.co_filename == str(test_file)
+    ]
+    return f"{test_file.name}:{lines[-1]}" if lines else ""

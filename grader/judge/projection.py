@@ -20,11 +20,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
-from typing import Any
 
 import yaml
 
-from grader.broker.traffic import RankWork
+from grader.broker.traffic import Message, RankWork
 from grader.judge.replay import replay
 
 MACHINES_FILE = Path(__file__).with_name("machines.yaml")
@@ -89,7 +88,7 @@ LOCAL_WORK = Machine(
 
 
 def project(
-    per_rank: list[list[dict[str, Any]]], machine: Machine, work: Sequence[RankWork] = ()
+    per_rank: list[list[Message]], machine: Machine, work: Sequence[RankWork] = ()
 ) -> float:
     """Seconds until the last rank is done, replaying the logged messages on ``machine``;
     with ``work``, each rank also spends its local work where it was measured to."""
@@ -102,14 +101,12 @@ def project(
     def before(rank: int, index: int) -> None:
         clock[rank] += work[rank].before[index]
 
-    def on_send(rank: int, event: dict[str, Any]) -> float:
+    def on_send(rank: int, event: Message) -> float:
         start = max(clock[rank], port_free[rank])
-        port_free[rank] = start + machine.link(rank, event["peer"], world_size).cost(
-            event["nbytes"]
-        )
+        port_free[rank] = start + machine.link(rank, event.peer, world_size).cost(event.nbytes)
         return port_free[rank]
 
-    def on_arrival(rank: int, event: dict[str, Any], arrives: float) -> None:
+    def on_arrival(rank: int, event: Message, arrives: float) -> None:
         clock[rank] = max(clock[rank], arrives)
 
     replay(per_rank, on_send, on_arrival, before if work else None)

@@ -25,6 +25,7 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
+from grader.broker.traffic import Message
 from grader.course.config import ConfigError
 from grader.failures import GraderFailure, RankFailure
 
@@ -33,7 +34,7 @@ TRACES_FILE = Path(__file__).with_name("reference_traces.json")
 COST_TESTS = {"communication": "communication_elements", "performance": "performance_elements"}
 _CALL_SECONDS = 120.0  # one reference call, on a loaded machine; the trusted reference never hangs
 
-Traces = dict[str, list[list[dict[str, Any]]]]
+Traces = dict[str, list[list[dict[str, Any]]]]  # as in the file: Message.to_json()
 
 
 def key(function: str, world_size: int, n: int) -> str:
@@ -48,14 +49,17 @@ def _load() -> dict[str, Any]:
         return {}
 
 
-def reference_messages(function: str, world_size: int, n: int) -> list[list[dict[str, Any]]]:
+def reference_messages(function: str, world_size: int, n: int) -> list[list[Message]]:
     found = _load().get(key(function, world_size, n))
-    if found is None:
+    try:
+        if not isinstance(found, list):
+            raise ValueError("no such trace")
+        return [[Message.from_json(entry) for entry in rank] for rank in found]
+    except (TypeError, ValueError) as err:
         raise GraderFailure(
-            f"no reference trace of {function} at world size {world_size} on {n} elements: "
-            "rebuild them with `python -m grader.judge.reference_traces`"
-        )
-    return found
+            f"no reference trace of {function} at world size {world_size} on {n} elements "
+            f"({err}): rebuild them with `python -m grader.judge.reference_traces`"
+        ) from None
 
 
 def graded_sizes() -> dict[int, set[int]]:
@@ -100,7 +104,10 @@ def build(sizes: dict[int, set[int]]) -> Traces:
                     for function in COLLECTIVES:
                         args, _ = collective_call(function, world_size, n)
                         out = world.call(f"collectives.{function}", args)
-                        traces[key(function, world_size, n)] = out.traffic.messages()
+                        logs = out.traffic.messages()
+                        traces[key(function, world_size, n)] = [
+                            [entry.to_json() for entry in log] for log in logs
+                        ]
         finally:
             pool.close()
     finally:

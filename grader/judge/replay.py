@@ -20,9 +20,9 @@ from __future__ import annotations
 
 from collections import defaultdict, deque
 from collections.abc import Callable
-from typing import Any
 
-Message = dict[str, Any]  # one point-to-point event of a rank, as Traffic.messages() gives it
+from grader.broker.traffic import Message
+from grader.protocol import OpName
 
 
 class ReplayError(ValueError):
@@ -62,17 +62,16 @@ def replay(
                 if before is not None and reached[rank] < index:
                     reached[rank] = index
                     before(rank, index)
-                op = event["op"]
-                if op == "send":
-                    key = (rank, event["peer"], event["tag"])
+                if event.op is OpName.SEND:
+                    key = (rank, event.peer, event.tag)
                     sent[key].append(on_send(rank, event))
                     match(key)
-                elif op == "recv":
-                    key = (event["peer"], rank, event["tag"])
+                elif event.op is OpName.RECV:
+                    key = (event.peer, rank, event.tag)
                     posted[key].append((rank, index))
                     match(key)
-                elif op == "wait" and _is_recv(events, event["of"]):
-                    of = event["of"]
+                elif event.op is OpName.WAIT and _is_recv(events, event.of):
+                    of = event.of
                     if of not in matched[rank]:
                         break  # its message is not replayed yet: come back to this rank later
                     if of not in waited[rank]:
@@ -82,23 +81,23 @@ def replay(
                 progress = True
     for rank, events in enumerate(per_rank):
         if position[rank] < len(events):
-            raise ReplayError(_stuck(rank, events, events[position[rank]]["of"]))
+            raise ReplayError(_stuck(rank, events, events[position[rank]].of))
         for of in sorted(set(matched[rank]) - waited[rank]):
             on_arrival(rank, events[of], matched[rank][of])
-        receives = [i for i, e in enumerate(events) if e["op"] == "recv"]
+        receives = [i for i, e in enumerate(events) if e.op is OpName.RECV]
         unmatched = [i for i in receives if i not in matched[rank]]
         if unmatched:
             raise ReplayError(_stuck(rank, events, unmatched[0]))
 
 
-def _is_recv(events: list[Message], of: Any) -> bool:
-    if not isinstance(of, int) or not 0 <= of < len(events):
+def _is_recv(events: list[Message], of: int) -> bool:
+    if not 0 <= of < len(events):
         raise ReplayError(f"a wait for message {of!r}, which the log does not hold")
-    return events[of]["op"] == "recv"
+    return events[of].op is OpName.RECV
 
 
 def _stuck(rank: int, events: list[Message], of: int) -> str:
-    peer = events[of]["peer"]
+    peer = events[of].peer
     return (
         f"the message pattern could not be replayed: rank {rank} waits for a message from "
         f"rank {peer} that rank {peer} never sends (or sends only after a wait of its own)"

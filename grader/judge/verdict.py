@@ -11,6 +11,13 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from grader import protocol
+from grader.failures import Cause
+
+#: What results.json's ``extra_data`` of a test holds of the grader's own
+#: (:mod:`grader.report.results`): no figure of a test may take these names.
+EXTRA_DATA_KEYS = frozenset(
+    {"part", "test", "target", "world_size", "kind", "outcome", "cause", "seconds", "fraction"}
+)
 
 
 class Pass(enum.Enum):
@@ -102,8 +109,8 @@ class Verdict:
     ring: Ring | None = None
     seconds: float = 0.0
     case: str = ""  # the input case a failed call ran on, which its message names at the end
-    wrong_result: bool = False  # the test found a wrong value, shape or dtype (check_close)
-    cause: str = ""  # a failure's machine key (grader.failures.Cause); "" when it passed
+    cause: Cause | None = None  # what a failure is, for machines; None when it passed
+    check: str = ""  # which check of the cause failed (its place in the graded test), if known
 
     @property
     def passed(self) -> bool:

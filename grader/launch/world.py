@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from grader import failures, protocol, wire
+from grader import failures, protocol
 from grader.broker.ops import Gate
 from grader.broker.server import Broker
 from grader.judge.call import (
@@ -47,7 +47,6 @@ from grader.launch.job import (
 )
 from grader.launch.sandboxed import last_words, rank_exit
 from grader.protocol import RankExit
-from grader.wire import Frame
 
 if TYPE_CHECKING:
     from grader.nodes.head import Head
@@ -105,13 +104,20 @@ class World:
             raise ValueError(f"call needs arguments for {self.size} ranks, got {len(args)}")
         if gates and not keep_payloads:
             raise ValueError("gates open on what all-reduces carried: keep the payloads")
-        key = "function" if function else "scenario"
-        fresh, self._fresh = self._fresh, False
+        request = protocol.CallRequest(
+            self.size,
+            function or scenario or "",
+            args,
+            scenario=not function,
+            case=case,
+            gates=gates,
+            keep_payloads=keep_payloads,
+            fresh=self._fresh,
+            timed=timed,
+        )
+        self._fresh = False
         try:
-            target = function or scenario or ""
-            return self._pool.call(
-                self.size, key, target, args, self.limits, case, gates, keep_payloads, fresh, timed
-            )
+            return self._pool.call(request, self.limits)
         except (failures.RankFailure, failures.GraderFailure):
             raise
         except Exception as err:  # the grader's own machinery: never the student's doing
@@ -140,41 +146,20 @@ class RankPool:
         # A part whose import ends or hangs the process is not imported again.
         self.poisoned: dict[str, failures.RankFailure] = {}
 
-    def call(
-        self,
-        world_size: int,
-        key: str,
-        target: str,
-        args: Sequence[Sequence[Any]],
-        limits: CallLimits,
-        case: str,
-        gates: Sequence[Sequence[Gate]] = (),
-        keep_payloads: bool = True,
-        fresh: bool = False,
-        timed: bool = False,
-    ) -> CallResult:
-        """Run ``target`` on the first ``world_size`` ranks; ``fresh``: a test's first call,
-        for which every rank starts the submission afresh (:mod:`grader.rank.fresh`)."""
-        part = target.split(".")[0]
+    def call(self, request: protocol.CallRequest, limits: CallLimits) -> CallResult:
+        """Run ``request`` on its first ranks, bound by ``limits``."""
+        part, case = request.part, request.case
         if part in self.poisoned:
             raise type(self.poisoned[part])(f"not run: {self.poisoned[part]} (in an earlier test)")
         job = self._running_job()
-        call_id = next(job.calls)
-        frames = []
-        for rank_args in args:
-            node, buffers = wire.pack(list(rank_args))
-            header = {
-                "type": protocol.CALL,
-                "call": call_id,
-                "world_size": world_size,
-                key: target,
-                "args": node,
-                "fresh": fresh,
-            }
-            frames.append(Frame(header, buffers))
+        frames = request.frames(next(job.calls))
         started = time.monotonic()
         job.broker.start_call(
-            frames, limits.forbid_collectives, [list(g) for g in gates], keep_payloads, timed
+            frames,
+            limits.forbid_collectives,
+            [list(g) for g in request.gates],
+            request.keep_payloads,
+            request.timed,
         )
         finished = job.broker.wait_call(started + limits.timeout)
         seconds = time.monotonic() - started
@@ -182,7 +167,7 @@ class RankPool:
             self._stop_job(job, part, seconds, case)
         broker = job.broker
         outcomes, problems = broker.outcomes(), list(broker.problems)
-        report = Finished(world_size, outcomes, problems, broker.traffic, seconds)
+        report = Finished(request.world_size, outcomes, problems, broker.traffic, seconds)
         try:
             return judge_finished(report, case)
         finally:

@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from grader import protocol
+from grader.protocol import Form, OpName
 from grader.rank.frames import student_location
 from grader.rank.link import BrokerLink, PendingOp
 from grader.wire import Frame
@@ -77,7 +78,7 @@ class BrokerGroup(dist.ProcessGroup):
 
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int) -> BrokerWork:
         (tensor,) = tensors
-        _check_contiguous(tensor, "send")
+        _check_contiguous(tensor, OpName.SEND)
         return self._post(
             protocol.SEND,
             [tensor],
@@ -91,7 +92,7 @@ class BrokerGroup(dist.ProcessGroup):
 
     def recv(self, tensors: list[torch.Tensor], src: int, tag: int) -> BrokerWork:
         (tensor,) = tensors
-        _check_contiguous(tensor, "recv")
+        _check_contiguous(tensor, OpName.RECV)
 
         def deliver(frame: Frame) -> None:
             _fill(tensor, frame.buffers[0])
@@ -110,49 +111,49 @@ class BrokerGroup(dist.ProcessGroup):
     # -- collectives: computed by the broker, or refused where the part forbids them ----------
 
     def allreduce(self, tensors: list[torch.Tensor], opts: Any) -> BrokerWork:
-        return self._collective("all_reduce", tensors, tensors, reduce_op=_op_name(opts))
+        return self._collective(OpName.ALL_REDUCE, tensors, tensors, reduce_op=_op_name(opts))
 
     def reduce(self, tensors: list[torch.Tensor], opts: Any) -> BrokerWork:
         op = _op_name(opts)
-        return self._collective("reduce", tensors, tensors, root=opts.rootRank, reduce_op=op)
+        return self._collective(OpName.REDUCE, tensors, tensors, root=opts.rootRank, reduce_op=op)
 
     def gather(
         self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any
     ) -> BrokerWork:
         """The root's ``outputs`` hold one list of ``p`` tensors, the other ranks' none."""
         flat = [t for out in outputs for t in out]
-        return self._collective("gather", inputs, flat, root=opts.rootRank)
+        return self._collective(OpName.GATHER, inputs, flat, root=opts.rootRank)
 
     def scatter(
         self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]], opts: Any
     ) -> BrokerWork:
         """The root's ``inputs`` hold one list of ``p`` tensors, the other ranks' none."""
         flat = [t for per_rank in inputs for t in per_rank]
-        return self._collective("scatter", flat, outputs, root=opts.rootRank)
+        return self._collective(OpName.SCATTER, flat, outputs, root=opts.rootRank)
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any) -> BrokerWork:
-        return self._collective("all_reduce", tensors, tensors, reduce_op=_op_name(opts))
+        return self._collective(OpName.ALL_REDUCE, tensors, tensors, reduce_op=_op_name(opts))
 
     def broadcast(self, tensors: list[torch.Tensor], opts: Any) -> BrokerWork:
-        return self._collective("broadcast", tensors, tensors, root=opts.rootRank)
+        return self._collective(OpName.BROADCAST, tensors, tensors, root=opts.rootRank)
 
     def allgather(
         self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any
     ) -> BrokerWork:
-        return self._collective("all_gather", inputs, [t for out in outputs for t in out])
+        return self._collective(OpName.ALL_GATHER, inputs, [t for out in outputs for t in out])
 
     def reduce_scatter(
         self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]], opts: Any
     ) -> BrokerWork:
         flat = [t for per_rank in inputs for t in per_rank]
-        return self._collective("reduce_scatter", flat, outputs, reduce_op=_op_name(opts))
+        return self._collective(OpName.REDUCE_SCATTER, flat, outputs, reduce_op=_op_name(opts))
 
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any) -> BrokerWork:
         """``all_gather_into_tensor`` (``all_gather_single`` in torch 2.13): rank r's input
         lands in the r-th of ``p`` equal, consecutive pieces of ``output``."""
         pieces = _pieces(output, input.numel(), self.size(), "output")
-        form = "all_gather_into_tensor"
-        return self._collective("all_gather", [input], pieces, form=form, whole=_meta(output))
+        form = Form.ALL_GATHER_INTO_TENSOR
+        return self._collective(OpName.ALL_GATHER, [input], pieces, form=form, whole=_meta(output))
 
     _allgather_base = all_gather_single  # the name before torch 2.13
 
@@ -163,8 +164,8 @@ class BrokerGroup(dist.ProcessGroup):
         the ranks, lands in rank r's ``output``."""
         pieces = _pieces(input, output.numel(), self.size(), "input")
         return self._collective(
-            "reduce_scatter", pieces, [output], reduce_op=_op_name(opts),
-            form="reduce_scatter_tensor", whole=_meta(input),
+            OpName.REDUCE_SCATTER, pieces, [output], reduce_op=_op_name(opts),
+            form=Form.REDUCE_SCATTER_TENSOR, whole=_meta(input),
         )  # fmt: skip
 
     _reduce_scatter_base = reduce_scatter_single
@@ -181,18 +182,18 @@ class BrokerGroup(dist.ProcessGroup):
         ``output``'s ``output_splits[j]`` rows (equal splits of the first dimension if empty)."""
         pieces = _split(input, input_splits, self.size(), "input")
         outputs = _split(output, output_splits, self.size(), "output")
-        form = "all_to_all_single"
-        return self._collective("all_to_all", pieces, outputs, form=form, whole=_meta(input))
+        form = Form.ALL_TO_ALL_SINGLE
+        return self._collective(OpName.ALL_TO_ALL, pieces, outputs, form=form, whole=_meta(input))
 
     alltoall_base = all_to_all_single  # the name before torch 2.13
 
     def alltoall(
         self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any
     ) -> BrokerWork:
-        return self._collective("all_to_all", inputs, outputs)
+        return self._collective(OpName.ALL_TO_ALL, inputs, outputs)
 
     def barrier(self, opts: Any) -> BrokerWork:
-        return self._collective("barrier", [], [])
+        return self._collective(OpName.BARRIER, [], [])
 
     # -- plumbing --------------------------------------------------------------------------------
 
@@ -248,7 +249,7 @@ def _check_contiguous(tensor: torch.Tensor, what: str) -> None:
             f"too); {what} a contiguous buffer instead: "
             + (
                 "buf = t.contiguous()"
-                if what == "send"
+                if what == OpName.SEND
                 else "buf = torch.empty_like(t, memory_format=torch.contiguous_format), then "
                 "t.copy_(buf) once it has arrived"
             )

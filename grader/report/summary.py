@@ -9,7 +9,6 @@ only repeat it instead of printing them.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -19,7 +18,7 @@ from rich.text import Text
 
 from grader import protocol
 from grader.course.config import COST_KINDS
-from grader.judge.call import case_suffix
+from grader.failures import Cause
 from grader.report.results import GradedResult, Points
 
 PASS_MARK, FAIL_MARK, PARTIAL = "✓", "✗", "partial"
@@ -34,13 +33,6 @@ OUTCOME_STYLE = {
 }
 PARTIAL_STYLE = "yellow"
 LEGEND = "p = world size; ✓ passed, ✗ failed, partial: some of the points"
-# Costs are graded on top of correctness: their columns follow the world sizes.
-_NUMBER = re.compile(r"\d+(\.\d+)?(e[-+]?\d+)?")
-_LIST = re.compile(r"#(, #)+")  # "ranks 1, 2, 3" is "ranks #" whatever the world size
-_DRAWN = re.compile(r" \(schedules drawn in [^)]*\)")
-# The test a message begins with, "rank 0: gpipe_step with 3 microbatches on 2 stages: ",
-# "DataParallel(...) with SGD on 2 ranks, step 1, after synchronization: ".
-_WHAT = re.compile(r"^(ranks? #: )?[^:]* on # (ranks?|stages?)\b[^:]*: ")
 
 
 def is_partial(result: GradedResult) -> bool:
@@ -194,23 +186,19 @@ class FixList:
         return ", ".join(names[:limit]) + more
 
 
-def cause(result: GradedResult) -> str:
-    """What a failure says, without its figures and its test: two failures alike are one cause.
+def cause(result: GradedResult) -> tuple[str, str]:
+    """What a failure is, as the trusted side typed it where it was raised: its
+    :class:`Cause` and the check that failed. Two failures of one cause are one line.
 
     A wrong result is one cause per function (a cost test checks the call's result first,
-    so a wrong sum fails it too, with other sizes and numbers). Otherwise the message is
-    compared without its numbers, its case, the test it names ("gpipe_step with 3
-    microbatches on 2 stages: ") and the order of the waits of a deadlock.
+    so a wrong sum fails it too, with other sizes and numbers); so is a failure of no
+    named check (a deadlock of the function, whatever its world size).
     """
     verdict = result.verdict
-    if verdict.wrong_result:
-        return f"{result.test.target}: a wrong result"
-    message = verdict.message
-    if verdict.case:  # the same cause on another input: all from the case on is left out
-        message = message.partition(case_suffix(verdict.case))[0]
-    message = _DRAWN.sub("", message)
-    text = _WHAT.sub("", _LIST.sub("#", _NUMBER.sub("#", message))).replace("ranks #", "rank #")
-    return verdict.outcome + ": " + " while ".join(sorted(set(text.split(" while "))))
+    kind = str(verdict.cause or verdict.outcome)
+    if verdict.cause is Cause.WRONG_RESULT or not verdict.check:
+        return kind, result.test.target
+    return kind, verdict.check
 
 
 def fix_first(results: list[GradedResult], collapse: bool = True) -> FixList:
@@ -228,7 +216,7 @@ def fix_first(results: list[GradedResult], collapse: bool = True) -> FixList:
         kind = COST_KINDS.index(r.test.kind) + 1 if r.test.kind in COST_KINDS else 0
         return r.test.world_size, kind, order[id(r)]
 
-    first: dict[str, GradedResult] = {}
+    first: dict[tuple[str, str], GradedResult] = {}
     also: dict[int, list[GradedResult]] = {}
     for result in sorted(ran, key=simplest):
         shown = first.setdefault(cause(result), result)

@@ -16,6 +16,7 @@ from grader.course.options import TestOptions
 from grader.judge.call import CallResult
 from grader.judge.verdict import Cell, Ring, RingCell, Work, backward, forward
 from grader.launch.world import World
+from grader.protocol import OpName
 from grader.testkit.compare import (
     check_close,
     check_unchanged,
@@ -33,6 +34,7 @@ __all__ = [
     "Cell",
     "Event",
     "Gate",
+    "OpName",
     "Ring",
     "RingCell",
     "TestOptions",

@@ -15,18 +15,19 @@ from typing import Any
 
 import torch
 
+from grader.protocol import OpName
 from grader.testkit.compare import sums_in_float64
 from grader.testkit.data import rank_tensor
 
 COLLECTIVES = (
-    "broadcast",
-    "reduce",
-    "all_reduce",
-    "scatter",
-    "gather",
-    "all_gather",
-    "reduce_scatter",
-    "all_to_all",
+    OpName.BROADCAST,
+    OpName.REDUCE,
+    OpName.ALL_REDUCE,
+    OpName.SCATTER,
+    OpName.GATHER,
+    OpName.ALL_GATHER,
+    OpName.REDUCE_SCATTER,
+    OpName.ALL_TO_ALL,
 )
 ROOT = 0
 
@@ -58,34 +59,34 @@ def collective_call(
     # The arguments go to the ranks as bytes (:mod:`grader.wire`): the tensors here stay as
     # they are, and serve as the expected values too.
     ranks = range(p)
-    if function in ("broadcast", "reduce", "all_reduce"):
+    if function in (OpName.BROADCAST, OpName.REDUCE, OpName.ALL_REDUCE):
         inputs = [data(r) for r in ranks]
-        if function == "broadcast":
+        if function == OpName.BROADCAST:
             args = [(inputs[r], ROOT) for r in ranks]
             return args, [Expected(r, 0, None, inputs[ROOT]) for r in ranks]
         total, size = sums_in_float64(inputs)
-        args = [(inputs[r],) if function == "all_reduce" else (inputs[r], ROOT) for r in ranks]
-        targets = [ROOT] if function == "reduce" else list(ranks)
+        args = [(inputs[r],) if function == OpName.ALL_REDUCE else (inputs[r], ROOT) for r in ranks]
+        targets = [ROOT] if function == OpName.REDUCE else list(ranks)
         return args, [Expected(r, 0, None, total.float(), size) for r in targets]
     pieces = [[data(r, i) for i in ranks] for r in ranks]
-    if function == "scatter":
+    if function == OpName.SCATTER:
         args = [(zeros(), pieces[r] if r == ROOT else None, ROOT) for r in ranks]
         return args, [Expected(r, 0, None, pieces[ROOT][r]) for r in ranks]
-    if function == "gather":
+    if function == OpName.GATHER:
         args = [
             (pieces[r][0], [zeros() for _ in ranks] if r == ROOT else None, ROOT) for r in ranks
         ]
         return args, [Expected(ROOT, 1, i, pieces[i][0]) for i in ranks]
-    if function == "all_gather":
+    if function == OpName.ALL_GATHER:
         args = [([zeros() for _ in ranks], pieces[r][0]) for r in ranks]
         return args, [Expected(r, 0, i, pieces[i][0]) for r in ranks for i in ranks]
-    if function == "reduce_scatter":
+    if function == OpName.REDUCE_SCATTER:
         args = [(zeros(), pieces[r]) for r in ranks]
         sums = [sums_in_float64([pieces[s][r] for s in ranks]) for r in ranks]
         return args, [
             Expected(r, 0, None, total.float(), size) for r, (total, size) in enumerate(sums)
         ]
-    if function == "all_to_all":
+    if function == OpName.ALL_TO_ALL:
         args = [([zeros() for _ in ranks], pieces[r]) for r in ranks]
         return args, [Expected(r, 0, s, pieces[s][r]) for r in ranks for s in ranks]
     raise ValueError(f"unknown collective {function}")

@@ -26,7 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from grader.broker.traffic import RankWork, Traffic
+from grader.broker.traffic import Message, RankWork, Traffic
 from grader.judge import communication
 from grader.judge.call import CallResult
 from grader.judge.projection import LOCAL_WORK, machines, project
@@ -48,7 +48,7 @@ __all__ = [
     "time_calls",
 ]
 
-Messages = list[list[dict[str, Any]]]  # every rank's point-to-point events, in program order
+Messages = list[list[Message]]  # every rank's point-to-point events, in program order
 #: The inputs' key of a warm-up call, made before the timed ones: what a first call costs
 #: once (an import, a first allocation) is not charged to them.
 WARM_UP = "costs/warm-up"

@@ -19,6 +19,7 @@ from torch import Tensor, nn
 from grader.broker.ops import Gate
 from grader.broker.traffic import Event
 from grader.judge.call import CallResult
+from grader.protocol import OpName
 from grader.scenarios.data_parallel import DIM, TiedNet, build, tensors_of
 from grader.testkit.compare import carried, nearest
 from grader.testkit.data import generator
@@ -110,23 +111,9 @@ def gradient_problem(
 
     ``want`` holds the full batch's gradients, ``mine`` the rank's own, unreduced ones;
     ``unused`` names the parameters no rank used in this iteration (None or zero is right)."""
-    for name, w in want.items():
-        g = got.get(name)
-        if name in unused:
-            if isinstance(g, Tensor) and bool(g.any()):
-                return (
-                    f"parameter {name} was unused in this iteration on every rank, yet its "
-                    f"gradient after synchronization is nonzero (max abs {float(g.abs().max()):.3g}"
-                    "): leave it None, or zero: no stale or uninitialised values in a bucket"
-                )
-            continue
-        if w is None and g is not None:
-            return (
-                f"frozen parameter {name} (requires_grad=False) has a gradient: leave frozen "
-                "parameters out of the buckets and never give them a .grad"
-            )
-        if w is not None and g is None:
-            return f"parameter {name} has no gradient (.grad is None)"
+    problem = _missing_or_stray(got, want, unused)
+    if problem is not None:
+        return problem
     grads = {n: g for n, g in want.items() if g is not None and n not in unused}
     for name, w in grads.items():
         if isinstance(got[name], Tensor) and got[name].dtype != w.dtype:
@@ -168,6 +155,30 @@ def gradient_problem(
     return f"parameter {wrong[0]}'s gradient {difference(got[wrong[0]], grads[wrong[0]])}"
 
 
+def _missing_or_stray(
+    got: dict[str, Any], want: dict[str, Tensor | None], unused: Sequence[str]
+) -> str | None:
+    """A gradient where none belongs (an unused or frozen parameter's), or none where one does."""
+    for name, w in want.items():
+        g = got.get(name)
+        if name in unused:
+            if isinstance(g, Tensor) and bool(g.any()):
+                return (
+                    f"parameter {name} was unused in this iteration on every rank, yet its "
+                    f"gradient after synchronization is nonzero (max abs {float(g.abs().max()):.3g}"
+                    "): leave it None, or zero: no stale or uninitialised values in a bucket"
+                )
+            continue
+        if w is None and g is not None:
+            return (
+                f"frozen parameter {name} (requires_grad=False) has a gradient: leave frozen "
+                "parameters out of the buckets and never give them a .grad"
+            )
+        if w is not None and g is None:
+            return f"parameter {name} has no gradient (.grad is None)"
+    return None
+
+
 def param_problem(got: dict[str, Any], want: dict[str, Tensor]) -> str | None:
     """The first of a rank's parameters that differs from the oracle's after a step."""
     name = next((n for n, w in want.items() if not close(got.get(n), w)), None)
@@ -187,11 +198,11 @@ def all_reduces(out: CallResult, rank: int) -> list[Window]:
     iterations: list[Window] = []
     window = ""
     for event in out.traffic.exchanged(rank):
-        if event.op == "mark":
+        if event.op == OpName.MARK:
             if event.at == "backward":
                 iterations.append({"during": [], "after": []})
             window = {"backward": "during", "backward returned": "after"}.get(event.at, "")
-        elif event.op == "all_reduce" and window and iterations:
+        elif event.op == OpName.ALL_REDUCE and window and iterations:
             iterations[-1][window].append(event)
     return iterations
 
@@ -324,7 +335,7 @@ def carried_problem(out: CallResult, rank: int, full: list) -> str | None:
     mine = slices(full, rank, p)
     local = [gated_grads(x, y, gate_factor(rank, i)) for i, (x, y) in enumerate(mine, start=1)]
     want = torch.cat([g.reshape(-1) for grads in local for g in grads.values()]).sort().values
-    reduces = out.traffic.world_collectives(rank, "all_reduce")  # what reached the others
+    reduces = out.traffic.world_collectives(rank, OpName.ALL_REDUCE)  # what reached the others
     got = torch.cat([carried(e) for e in reduces] or [torch.zeros(0, dtype=torch.float64)])
     got = got.sort().values
     if got.shape == want.shape and close_in_float32(got, want):

@@ -17,6 +17,7 @@ from torch import Tensor
 
 from grader.broker.traffic import Event, Traffic
 from grader.judge.call import CallResult
+from grader.protocol import OpName
 from grader.scenarios.fully_sharded import DTYPES, SHARDED
 from grader.testkit.compare import carried, require
 from grader.testkit.fully_sharded import (
@@ -64,7 +65,7 @@ def step_of(traffic: Traffic, r: int, number: int = 1) -> Step:
     events = traffic.per_rank[r]
 
     def counts(e: Event) -> bool:
-        return e.op != "mark" and traffic.among_all(e)
+        return e.op != OpName.MARK and traffic.among_all(e)
 
     def operations_before(what: str) -> int:
         return sum(map(counts, events[begin : passed[f"step {number} {what}"]]))
@@ -169,7 +170,7 @@ def check_step(step: Step, values: Values, p: int, r: int, dtype: str, kind: str
     """One step's facts: what each gather carried, the forward's gathers and the backward's."""
     for phase, events in (("forward", step.forward), ("backward", step.backward)):
         for e in events:
-            if e.op != "all_gather":
+            if e.op != OpName.ALL_GATHER:
                 continue
             name = gathered(e, p, ITEMSIZE)
             require(
@@ -206,7 +207,7 @@ def _forward_gathers(step: Step, p: int, kind: str) -> list[str]:
                     f"{', '.join(SHARDED[j] for j in sorted(ahead))} are gathered already: "
                     "prefetch at most two layers ahead, not everything up front",
                 )
-        if e is not None and e.op == "all_gather":
+        if e is not None and e.op == OpName.ALL_GATHER:
             done.append(gathered(e, p, ITEMSIZE) or "?")
     order = [LAYER_OF[n] for n in done if n in LAYER_OF]
     if kind == "communication":
@@ -220,7 +221,7 @@ def _forward_gathers(step: Step, p: int, kind: str) -> list[str]:
 
 def _backward_gathers(step: Step, p: int, kind: str) -> list[str]:
     """Every Linear's backward is preceded by its weight's gather, in reverse order."""
-    back = [gathered(e, p, ITEMSIZE) or "?" for e in step.backward if e.op == "all_gather"]
+    back = [gathered(e, p, ITEMSIZE) or "?" for e in step.backward if e.op == OpName.ALL_GATHER]
     linear_weights = [f"{m}.weight" for m in SHARDED if m != "embed"]
     missing = [n for n in linear_weights if n not in back]
     require(
@@ -253,21 +254,21 @@ def bytes_bound(p: int, dtype: str) -> float:
 
 def moved(e: Event, p: int) -> float:
     """The bytes an operation moves on its rank (a collective's by its bound's factor)."""
-    if e.op == "all_gather":
+    if e.op == OpName.ALL_GATHER:
         return (p - 1) * e.nbytes
-    if e.op in ("reduce_scatter", "all_to_all"):
+    if e.op in (OpName.REDUCE_SCATTER, OpName.ALL_TO_ALL):
         return (p - 1) / p * e.nbytes
-    if e.op == "all_reduce":
+    if e.op == OpName.ALL_REDUCE:
         return 2 * (p - 1) / p * e.nbytes
-    if e.op in ("send", "recv"):
-        return e.nbytes if e.op == "send" else 0
+    if e.op in (OpName.SEND, OpName.RECV):
+        return e.nbytes if e.op == OpName.SEND else 0
     return e.nbytes
 
 
 def step_messages(step: Step, p: int, local: dict[str, Tensor], tolerance: float) -> float:
     """The step's reduce-scatters: one float32 one per sharded parameter, carrying this rank's
     ``local`` gradient of it; fails with the first that is not. Returns the bytes it moved."""
-    scatters = [e for e in step.backward if e.op == "reduce_scatter"]
+    scatters = [e for e in step.backward if e.op == OpName.REDUCE_SCATTER]
     for e in scatters:
         require(
             e.dtype == "float32",
@@ -276,7 +277,7 @@ def step_messages(step: Step, p: int, local: dict[str, Tensor], tolerance: float
         )
     sizes = sorted(e.nbytes for e in scatters)
     want = sorted(shard_size(n, p) * p * 4 for n in SHARDED_PARAMS)
-    reduced = [e.nbytes for e in step.backward if e.op == "all_reduce" and e.nbytes in want]
+    reduced = [e.nbytes for e in step.backward if e.op == OpName.ALL_REDUCE and e.nbytes in want]
     in_full = (
         "; the sharded gradients are all-reduced in full: reduce-scatter them, a rank "
         "needs only its shard's sum"

@@ -22,10 +22,11 @@ from torch import Tensor
 from grader import wire
 from grader.broker.traffic import Event, Traffic
 from grader.judge.verdict import Cell, backward, forward
+from grader.protocol import OpName
 
 RECORD = " (the broker's record of its messages)"
 Found = tuple[int, float] | None  # a message's microbatch and multiple, or none
-ALLOWED_COLLECTIVES = ("barrier",)  # carries no data
+ALLOWED_COLLECTIVES = (OpName.BARRIER,)  # carries no data
 
 
 @dataclass(frozen=True)
@@ -82,9 +83,9 @@ def gradient_of(event: Event, gradients: list[Tensor]) -> tuple[int, float] | No
 def foreign_problem(events: list[Event], rank: int) -> str | None:
     """Any operation that is not a message to or from a neighbouring stage."""
     for e in events:
-        if e.op == "mark" or e.op in ALLOWED_COLLECTIVES:
+        if e.op == OpName.MARK or e.op in ALLOWED_COLLECTIVES:
             continue
-        if e.op in ("send", "recv") and e.peer in (rank - 1, rank + 1):
+        if e.op in (OpName.SEND, OpName.RECV) and e.peer in (rank - 1, rank + 1):
             continue
         did = f"called {e.op}" if e.peer < 0 else f"{e.op} {'to' if e.op == 'send' else 'from'}"
         did = did if e.peer < 0 else f"{did} stage {e.peer}"
@@ -119,7 +120,7 @@ def sequence_problem(seen: list[int], rank: int, peer: int, what: str, title: st
 
 
 def sends_to(events: list[Event], peer: int) -> list[int]:
-    return [i for i, e in enumerate(events) if e.op == "send" and e.peer == peer]
+    return [i for i, e in enumerate(events) if e.op == OpName.SEND and e.peer == peer]
 
 
 def identify(traffic: Traffic, sender: int, to: int, expected: Expected) -> list[Found]:
@@ -180,7 +181,7 @@ def arrivals(traffic: Traffic, rank: int, peer: int, expected: Expected) -> dict
     taken: dict[int, int] = defaultdict(int)
     came: dict[int, int] = {}
     for i, e in enumerate(traffic.per_rank[rank]):
-        if e.op != "recv" or e.peer != peer:
+        if e.op != OpName.RECV or e.peer != peer:
             continue
         queue, k = by_tag[e.tag], taken[e.tag]
         taken[e.tag] += 1

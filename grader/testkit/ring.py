@@ -25,6 +25,7 @@ from torch import Tensor
 
 from grader.broker.traffic import Event, Traffic
 from grader.judge.verdict import Ring, RingCell, Work
+from grader.protocol import OpName
 
 KV = tuple[int, str]  # (owner rank, "KV", "VK", "K" or "V"): what a message holds
 
@@ -53,7 +54,7 @@ def forward_blocks(events: list[Event], labels: dict[bytes, KV]) -> tuple[list[i
     """The owners of the K/V blocks the rank sent, in order, or what it sent that is none."""
     owners: list[int] = []
     half: KV | None = None  # a K (or V) sent alone, waiting for its V (or K)
-    for e in (e for e in events if e.op == "send"):
+    for e in (e for e in events if e.op == OpName.SEND):
         label = labels.get(bytes(e.payload))
         if label is None:
             return owners, (
@@ -114,13 +115,13 @@ def ring_messages(
         problem, parts = None, sections(traffic, r)
         after, before = (r + 1) % p, (r - 1) % p
         made = traffic.collectives(r)
-        strays = [e for e in traffic.per_rank[r] if e.op == "send" and e.peer != after]
-        strays += [e for e in traffic.per_rank[r] if e.op == "recv" and e.peer != before]
+        strays = [e for e in traffic.per_rank[r] if e.op == OpName.SEND and e.peer != after]
+        strays += [e for e in traffic.per_rank[r] if e.op == OpName.RECV and e.peer != before]
         if made:
             problem = f"it called {made[0].op}: the ring passes the K/V blocks with messages only"
         elif strays:
             e = strays[0]
-            way = "sent a message to" if e.op == "send" else "received from"
+            way = "sent a message to" if e.op == OpName.SEND else "received from"
             problem = (
                 f"rank {r} {way} rank {e.peer}: a ring sends only to rank {after} and receives "
                 f"only from rank {before}"
@@ -130,7 +131,7 @@ def ring_messages(
         if problem is None and parts is not None:
             owners, problem = forward_blocks(parts[0], labels)
             figures["forward_blocks"].append(owners)
-            sent = sum(e.nbytes for e in parts[1] if e.op == "send")
+            sent = sum(e.nbytes for e in parts[1] if e.op == OpName.SEND)
             figures["backward_bytes"].append(sent)
             expected = [(r - s) % p for s in range(p - 1)]
             if problem is None and owners != expected:
@@ -194,7 +195,7 @@ def _ulysses_problem(
     messages = [e for e in traffic.per_rank[r] if e.peer >= 0]
     if messages:
         return f"it made a {messages[0].op} with rank {messages[0].peer}: Ulysses uses all-to-alls"
-    others = [e.op for e in traffic.collectives(r) if e.op != "all_to_all"]
+    others = [e.op for e in traffic.collectives(r) if e.op != OpName.ALL_TO_ALL]
     if others:
         return f"it called {others[0]}: Ulysses needs all-to-alls only"
     parts = sections(traffic, r)

@@ -17,6 +17,7 @@ from collections import defaultdict, deque
 from dataclasses import asdict, dataclass
 
 from grader.broker.traffic import Event, Traffic
+from grader.protocol import OpName
 
 FORWARD, BACKWARD, BOTH, OTHER, IDLE = "forward", "backward", "forward+backward", "other", "idle"
 
@@ -37,9 +38,9 @@ def matched_at(traffic: Traffic) -> dict[int, float]:
     recvs: dict[tuple[int, int, int], deque[Event]] = defaultdict(deque)
     for rank, events in enumerate(traffic.per_rank):
         for e in events:
-            if e.op == "send":
+            if e.op == OpName.SEND:
                 sends[(rank, e.peer, e.tag)].append(e)
-            elif e.op == "recv":
+            elif e.op == OpName.RECV:
                 recvs[(e.peer, rank, e.tag)].append(e)
     at = {}
     for key, queue in sends.items():
@@ -72,7 +73,7 @@ def _stage(
     def work(until: float, next_op: Event | None) -> None:
         if cursor is None or until <= cursor:
             return
-        sends_to = next_op.peer if next_op is not None and next_op.op == "send" else None
+        sends_to = next_op.peer if next_op is not None and next_op.op == OpName.SEND else None
         forwards, backwards = counts["forward"], counts["backward"]
         kind, label = OTHER, ""
         if arrived is not None and arrived[0] == "gradient":
@@ -88,16 +89,16 @@ def _stage(
         segments.append(Segment(kind, label, cursor - origin, until - origin))
 
     for e in events:
-        if e.op == "mark":
+        if e.op == OpName.MARK:
             if cursor is not None:
                 work(e.posted, None)
             cursor = e.posted if cursor is None else max(cursor, e.posted)
             continue
-        if e.op not in ("send", "recv"):
+        if e.op not in (OpName.SEND, OpName.RECV):
             continue
         work(e.posted, e)
         cursor = e.posted if cursor is None else max(cursor, e.posted)
-        if e.op == "send":
+        if e.op == OpName.SEND:
             counts["forward" if e.peer == rank + 1 else "backward"] += 1
             arrived = None
         done = at.get(id(e))
@@ -106,7 +107,7 @@ def _stage(
         if done > cursor:
             segments.append(Segment(IDLE, "", cursor - origin, done - origin))
             cursor = done
-        if e.op == "recv":
+        if e.op == OpName.RECV:
             what = "activation" if e.peer == rank - 1 else "gradient"
             arrived = (what, counts[what])
             counts[what] += 1

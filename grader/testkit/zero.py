@@ -19,6 +19,7 @@ import torch
 from torch import Tensor
 
 from grader.broker.traffic import Event, Traffic
+from grader.protocol import OpName
 from grader.testkit.compare import carried, nearest
 from grader.testkit.data import generator
 
@@ -47,8 +48,8 @@ class Owners:
 def update_of(event: Event, rank: int) -> Tensor | None:
     """The values an updating event of ``rank`` sent, in float64: a broadcast's payload if the
     rank is its root, its input to an all-gather or an all-reduce; None for anything else."""
-    sends = event.op in ("all_gather", "all_reduce") or (
-        event.op == "broadcast" and event.root == rank
+    sends = event.op in (OpName.ALL_GATHER, OpName.ALL_REDUCE) or (
+        event.op == OpName.BROADCAST and event.root == rank
     )
     return carried(event) if sends else None
 

@@ -39,6 +39,7 @@ from grader.scenarios.expert_parallel import build_moe
 from grader.testkit import (
     CallResult,
     Event,
+    OpName,
     TestRecord,
     World,
     check_close,
@@ -243,7 +244,7 @@ def check_traffic(
 ) -> None:
     """The rank's operations; ``rows``: what its all-to-alls of token rows must carry to each
     rank (:func:`rows_carried`, for this rank)."""
-    events = [e for e in out.traffic.per_rank[rank] if e.op != "mark"]
+    events = [e for e in out.traffic.per_rank[rank] if e.op != OpName.MARK]
     what, kept = case.describe(), want.kept
     if case.p == 1:
         listed = ", ".join(sorted({e.op for e in events}))
@@ -253,17 +254,17 @@ def check_traffic(
     data = [e for e in collectives if not is_count(e)]
     for e in data:
         require(
-            e.op in ("all_to_all", "all_reduce"),
+            e.op in (OpName.ALL_TO_ALL, OpName.ALL_REDUCE),
             f"{what}: {e.op} of {e.dtype} data at {e.at or '?'}: tokens travel by all-to-all to "
             "the ranks of their experts only, never to every rank",
         )
-    reduced = sum(e.nbytes for e in data if e.op == "all_reduce")
+    reduced = sum(e.nbytes for e in data if e.op == OpName.ALL_REDUCE)
     require(
         reduced == router_bytes,
         f"{what}: {reduced} bytes all-reduced, expected the router's gradients ({router_bytes} "
         "bytes): the experts' gradients need no all-reduce (they come back with the combine)",
     )
-    moved = [e.nbytes for e in data if e.op == "all_to_all"]
+    moved = [e.nbytes for e in data if e.op == OpName.ALL_TO_ALL]
     if not moved and any(e.peer >= 0 for e in events):
         check_messages(case, out, kept, rank, rows)  # the student's own all-to-all of messages
         return
@@ -275,7 +276,8 @@ def check_traffic(
         f"rank's counts need ({limit})",
     )
     first_rows = next(
-        (i for i, e in enumerate(events) if e.op == "all_to_all" and not is_count(e)), len(events)
+        (i for i, e in enumerate(events) if e.op == OpName.ALL_TO_ALL and not is_count(e)),
+        len(events),
     )
     require(
         any(is_count(e) for e in events[:first_rows]),
@@ -291,17 +293,25 @@ def check_traffic(
         f"returns the {received[rank] // (D * 4)} rows its experts processed, and backward "
         "mirrors both (no padding, no dropped pair sent)",
     )
+    check_pieces(case, data, kept, rank, rows)
+
+
+def check_pieces(
+    case: Case, data: list[Event], kept: Tensor, rank: int, rows: list[list[Tensor]]
+) -> None:
+    """What the rank's all-to-alls of token rows sent to each rank, and the rows they carried."""
+    what = case.describe()
     n, row = case.num_experts // case.p, D * 4
     dispatch = [int(kept[rank, n * j : n * (j + 1)].sum()) * row for j in range(case.p)]
     combine = [int(kept[j, n * rank : n * (rank + 1)].sum()) * row for j in range(case.p)]
-    pieces = [list(e.pieces) for e in data if e.op == "all_to_all"]
+    pieces = [list(e.pieces) for e in data if e.op == OpName.ALL_TO_ALL]
     require(
         pieces == [dispatch, combine, dispatch, combine],
         f"{what}: its all-to-alls sent {pieces} bytes to ranks 0..{case.p - 1}; expected "
         f"{[dispatch, combine, dispatch, combine]}: to each rank exactly the rows routed to its "
         "experts, and the combine its mirror",
     )
-    problem = rows_problem(case, [e for e in data if e.op == "all_to_all"], rows)
+    problem = rows_problem(case, [e for e in data if e.op == OpName.ALL_TO_ALL], rows)
     require(problem is None, f"{what}: {problem}")
 
 
@@ -319,7 +329,7 @@ def check_messages(
             kept[rank, n * peer : n * (peer + 1)].sum()
             + kept[peer, n * rank : n * (rank + 1)].sum()
         )
-        sends = [e for e in out.traffic.per_rank[rank] if e.op == "send" and e.peer == peer]
+        sends = [e for e in out.traffic.per_rank[rank] if e.op == OpName.SEND and e.peer == peer]
         sent = sum(e.nbytes for e in sends)
         low, high = 2 * owed * row, 2 * owed * row + 2 * case.num_experts * 8
         require(

@@ -36,7 +36,15 @@ import torch
 import torch.nn.functional as F
 
 from grader.scenarios.tensor_parallel import linear
-from grader.testkit import TestRecord, World, check_unchanged, on_every_rank, rank_tensor, require
+from grader.testkit import (
+    OpName,
+    TestRecord,
+    World,
+    check_unchanged,
+    on_every_rank,
+    rank_tensor,
+    require,
+)
 from grader.testkit.compare import carried
 from grader.testkit.shards import block, check_shape, check_shards, check_still_holds
 from grader.testkit.tensor_parallel import (
@@ -257,7 +265,7 @@ def test_parallel_mlp_communication(world: World, record: TestRecord) -> None:
     p = world.size
     full, x, grad, out = mlp_call(world)
     record.details["all_reduces"] = [
-        len(out.traffic.world_collectives(r, "all_reduce")) for r in range(p)
+        len(out.traffic.world_collectives(r, OpName.ALL_REDUCE)) for r in range(p)
     ]
     calls = [phase_operations(out, r) for r in range(p)]
     record.details["forward_calls"] = dict(calls[0]["forward"])

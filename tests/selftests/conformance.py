@@ -88,6 +88,7 @@ def on_broker(names: list[str], world: int, work: Path) -> dict[str, Outcome]:
     from grader.course.submission import stage
     from grader.launch.job import job_settings
     from grader.launch.world import CallLimits, RankPool
+    from grader.protocol import CallRequest
 
     stage(TABLE, work / "import")
     pool = RankPool(world, job_settings(work, sandbox.Level.NONE, "cpu"))
@@ -95,8 +96,8 @@ def on_broker(names: list[str], world: int, work: Path) -> dict[str, Outcome]:
     try:
         for name in names:
             try:
-                out = pool.call(world, "function", "variants.run", [(name,)] * world,
-                                CallLimits(timeout=30), name)  # fmt: skip
+                request = CallRequest(world, "variants.run", [(name,)] * world, case=name)
+                out = pool.call(request, CallLimits(timeout=30))
             except (failures.RankFailure, failures.GraderFailure) as err:
                 outcomes[name] = Outcome(str(err))
             else:

@@ -16,8 +16,9 @@ from grader import protocol, wire
 from grader.broker import accounting
 from grader.broker.accounting import Gap, LocalTime, Reading
 from grader.broker.server import Broker
-from grader.broker.traffic import Event, RankWork, Traffic, Wait
+from grader.broker.traffic import Event, Message, RankWork, Traffic, Wait
 from grader.judge.projection import LOCAL_WORK, project
+from grader.protocol import OpName
 from grader.testkit.costs import NO_REFERENCE, Timed, judge_performance, local_ratio
 
 linux = pytest.mark.skipif(sys.platform != "linux", reason="/proc and SO_PEERCRED are Linux's")
@@ -329,10 +330,10 @@ def test_local_work_lies_before_the_operation_it_delayed_and_replays_on_free_lin
     ]
     work = traffic.local_work()
     assert work is not None
-    assert [e["op"] for e in traffic.messages()[0]] == ["send", "recv", "wait"]
+    assert [e.op for e in traffic.messages()[0]] == [OpName.SEND, OpName.RECV, OpName.WAIT]
     assert work[0].before == (1.0, 2.0, 0.5) and work[0].tail == 0.25
     assert work[0].longest_outside == (2.0, "before the recv at c.py:2")
-    assert [e["op"] for e in traffic.messages()[1]] == ["recv", "wait", "send"]
+    assert [e.op for e in traffic.messages()[1]] == [OpName.RECV, OpName.WAIT, OpName.SEND]
     assert work[1].before == (0.0, 0.1, 3.0) and work[1].tail == 0.0
     assert work[1].longest_cpu == (3.0, "before the send at c.py:6")
     # Rank 1 can send only at 1 + 3 s; rank 0 waits for that until 4 s, then works 0.25 s.
@@ -350,8 +351,8 @@ def test_a_call_with_a_rank_not_measured_has_no_local_work() -> None:
 
 def test_the_busier_ratio_decides_and_unjudged_local_work_says_why() -> None:
     log = [
-        [{"op": "send", "peer": 1, "nbytes": 8, "tag": 0}],
-        [{"op": "recv", "peer": 0, "nbytes": 8, "tag": 0}, {"op": "wait", "of": 0}],
+        [Message(OpName.SEND, 1, 8)],
+        [Message(OpName.RECV, 0, 8), Message.wait(0)],
     ]
 
     def timed(seconds: float) -> Timed:

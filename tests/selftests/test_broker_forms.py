@@ -24,6 +24,7 @@ from grader import sandbox
 from grader.course.submission import stage
 from grader.launch.job import job_settings
 from grader.launch.world import CallLimits, RankPool
+from grader.protocol import CallRequest
 
 FORMS = SUBMISSIONS / "broker_forms"
 P = 3
@@ -47,7 +48,7 @@ def broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[dict[str, 
     stage(FORMS, work / "import")
     pool = RankPool(P, job_settings(work, sandbox.Level.NONE, "cpu"))
     try:
-        out = pool.call(P, "function", "forms.run_forms", [()] * P, CallLimits(timeout=60), "")
+        out = pool.call(CallRequest(P, "forms.run_forms", [()] * P), CallLimits(timeout=60))
         yield out.returned
     finally:
         pool.close()

@@ -9,6 +9,7 @@ import json
 import os
 import shutil
 import stat
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -18,7 +19,8 @@ from grader.course import config
 from grader.course.catalog import GradedTest
 from grader.course.config import ConfigError, find_config, load_config
 from grader.course.submission import SubmissionError, find_modules
-from grader.judge.verdict import Verdict
+from grader.failures import Cause, GraderFailure
+from grader.judge.verdict import EXTRA_DATA_KEYS, Verdict
 from grader.report.results import (
     GradedResult,
     ResultsPathError,
@@ -27,6 +29,7 @@ from grader.report.results import (
     to_gradescope,
     write_results,
 )
+from grader.testkit.record import Details
 
 GRADED = REPO / "tests" / "graded"
 
@@ -279,3 +282,19 @@ def test_an_option_the_course_left_out_is_the_graders_failure_not_the_students(c
     assert done.returncode == 2, done.stdout + done.stderr
     assert "the course's configuration: grading.yaml gives this test no" in done.stderr
     assert "'communication_elements'" in done.stderr
+
+
+def test_a_figure_cannot_take_a_key_of_results_json_which_holds_them_all() -> None:
+    """A test's figure named ``outcome`` would hide the grader's own: the course's mistake
+    ends the run, never silently, never charged to the student."""
+    details = Details()  # a TestRecord's
+    details["bytes"] = 1
+    with pytest.raises(GraderFailure, match="'outcome'"):
+        details.update(outcome="passed")
+    with pytest.raises(GraderFailure, match="'cause'"):
+        details.setdefault("cause", {})
+    assert dict(details) == {"bytes": 1}
+    failed = result("visible", "failed")
+    verdict = replace(failed.verdict, cause=Cause.CHECK, fraction=0.5, details={"bytes": 1})
+    entry = to_gradescope([replace(failed, verdict=verdict)], 1.0, "")["tests"][0]
+    assert set(entry["extra_data"]) == EXTRA_DATA_KEYS | {"bytes"}

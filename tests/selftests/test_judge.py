@@ -15,7 +15,7 @@ import torch
 from grader import protocol, wire
 from grader.broker.ops import Limits
 from grader.broker.server import Broker
-from grader.broker.traffic import Wait
+from grader.broker.traffic import Message, Wait
 from grader.judge.audit import audit
 from grader.judge.communication import figures, min_rounds
 from grader.judge.projection import machines, project
@@ -24,6 +24,7 @@ from grader.launch.job import listen
 from grader.nodes import Nodes, NodesError
 from grader.nodes.channel import connect
 from grader.nodes.head import Head
+from grader.protocol import OpName
 from grader.testkit.costs import judge_performance
 from grader.wire import Frame, WireError
 
@@ -207,14 +208,14 @@ def test_a_rank_that_floods_the_grader_is_stopped_at_the_limit(tmp_path: Path) -
     broker.close()
 
 
-def ring_all_reduce(p: int, n: int) -> list[list[dict]]:
+def ring_all_reduce(p: int, n: int) -> list[list[Message]]:
     """Each step: send to the right, receive from the left, wait for that receive."""
-    events: list[list[dict]] = [[] for _ in range(p)]
+    events: list[list[Message]] = [[] for _ in range(p)]
     for _ in range(2 * (p - 1)):
         for r in range(p):
-            events[r].append({"op": "send", "peer": (r + 1) % p, "nbytes": n // p, "tag": 0})
-            events[r].append({"op": "recv", "peer": (r - 1) % p, "nbytes": n // p, "tag": 0})
-            events[r].append({"op": "wait", "of": len(events[r]) - 1})
+            events[r].append(Message(OpName.SEND, (r + 1) % p, n // p))
+            events[r].append(Message(OpName.RECV, (r - 1) % p, n // p))
+            events[r].append(Message.wait(len(events[r]) - 1))
     return events
 
 
@@ -224,9 +225,9 @@ def test_a_pattern_that_cannot_be_replayed_earns_nothing_and_says_why():
     p = 3
     events = [
         [
-            {"op": "recv", "peer": (r - 1) % p, "nbytes": 4, "tag": 0},
-            {"op": "wait", "of": 0},
-            {"op": "send", "peer": (r + 1) % p, "nbytes": 4, "tag": 0},
+            Message(OpName.RECV, (r - 1) % p, 4),
+            Message.wait(0),
+            Message(OpName.SEND, (r + 1) % p, 4),
         ]
         for r in range(p)
     ]
@@ -247,16 +248,16 @@ def test_ring_all_reduce_meets_the_bandwidth_bound_in_2p_minus_2_rounds():
 def test_linear_sends_from_one_rank_take_one_round_each():
     """One-port model: a root sending to p-1 ranks in turn needs p-1 rounds."""
     p = 4
-    events = [[{"op": "send", "peer": r, "nbytes": 8, "tag": 0} for r in range(1, p)]]
-    events += [[{"op": "recv", "peer": 0, "nbytes": 8, "tag": 0}] for _ in range(1, p)]
+    events = [[Message(OpName.SEND, r, 8) for r in range(1, p)]]
+    events += [[Message(OpName.RECV, 0, 8)] for _ in range(1, p)]
     assert figures(events).rounds == p - 1
 
 
 def test_a_root_receiving_from_everyone_takes_one_round_per_message():
     """Receives are one per round too: a linear gather needs p-1 rounds, not one."""
     p = 4
-    events = [[{"op": "recv", "peer": r, "nbytes": 8, "tag": 0} for r in range(1, p)]]
-    events += [[{"op": "send", "peer": 0, "nbytes": 8, "tag": 0}] for _ in range(1, p)]
+    events = [[Message(OpName.RECV, r, 8) for r in range(1, p)]]
+    events += [[Message(OpName.SEND, 0, 8)] for _ in range(1, p)]
     assert figures(events).rounds == p - 1
 
 

@@ -1,5 +1,5 @@
-"""The layout that shows the design: no import circles in ``grader/``, no module too long
-to read at a sitting.
+"""The layout that shows the design: no import circles in ``grader/``, no function or class
+too long to read at a sitting (and no module past a generous bound).
 
 An import circle is counted whatever form its imports take (at the top, under
 ``TYPE_CHECKING``, inside a function): each one still means two modules that cannot be
@@ -13,7 +13,10 @@ from pathlib import Path
 
 from runner import REPO
 
-MAX_LINES = 400
+MAX_FUNCTION_LINES = 60
+MAX_CLASS_LINES = 250
+MAX_MODULE_LINES = 600  # a file of many short pieces may be long; past this, split it
+FOLDERS = ("grader", "reference", "assignments", "tests", "benchmarks")
 
 
 def module_name(path: Path) -> str:
@@ -94,12 +97,45 @@ def test_graded_tests_import_only_the_testkit_and_the_scenarios() -> None:
     assert reached  # the graded tests were read
 
 
-def test_no_module_over_400_lines() -> None:
-    lengths = {
-        str(path.relative_to(REPO)): len(path.read_text().splitlines())
-        for folder in ("grader", "reference", "assignments", "tests", "benchmarks")
+def our_sources() -> dict[str, str]:
+    """Every Python file of ours, by path: the hostile submissions of the self-tests are not."""
+    return {
+        str(path.relative_to(REPO)): path.read_text()
+        for folder in FOLDERS
         for path in (REPO / folder).rglob("*.py")
+        if "submissions" not in path.relative_to(REPO).parts
     }
-    assert "grader/broker/server.py" in lengths  # the tree was read
-    too_long = {path: lines for path, lines in lengths.items() if lines > MAX_LINES}
-    assert too_long == {}, f"over {MAX_LINES} lines (split them): {too_long}"
+
+
+def too_long(source: str, kind: type | tuple[type, ...], most: int) -> dict[str, int]:
+    """The definitions of ``kind`` in ``source`` longer than ``most`` lines, by name."""
+    return {
+        node.name: node.end_lineno - node.lineno + 1
+        for node in ast.walk(ast.parse(source))
+        if isinstance(node, kind) and node.end_lineno - node.lineno + 1 > most
+    }
+
+
+def test_no_function_over_60_lines_and_no_class_over_250() -> None:
+    sources = our_sources()
+    assert "grader/broker/server.py" in sources  # the tree was read
+    functions = (ast.FunctionDef, ast.AsyncFunctionDef)
+    found = {
+        f"{path}: {name}": lines
+        for path, source in sources.items()
+        for kind, most in ((functions, MAX_FUNCTION_LINES), (ast.ClassDef, MAX_CLASS_LINES))
+        for name, lines in too_long(source, kind, most).items()
+    }
+    assert found == {}, f"too long to read at a sitting (split them): {found}"
+
+
+def test_no_module_over_600_lines() -> None:
+    lengths = {path: len(source.splitlines()) for path, source in our_sources().items()}
+    too_long = {path: lines for path, lines in lengths.items() if lines > MAX_MODULE_LINES}
+    assert too_long == {}, f"over {MAX_MODULE_LINES} lines (split them): {too_long}"
+
+
+def test_the_length_finder_finds_a_long_function() -> None:
+    source = "class A:\n    def f(self):\n" + "        x = 1\n" * 70
+    assert too_long(source, ast.FunctionDef, 60) == {"f": 71}
+    assert too_long(source, ast.ClassDef, 250) == {}

@@ -12,8 +12,10 @@ import json
 import subprocess
 import sys
 
+import pytest
 from runner import REPO
 
+from grader.broker.traffic import Message
 from grader.judge.reference_traces import TRACES_FILE, differences, graded_sizes, key
 from grader.testkit.calls import COLLECTIVES
 
@@ -60,3 +62,21 @@ def test_a_stale_trace_is_named_with_its_first_wrong_message() -> None:
     ]
     assert differences({}, rebuilt) == ["broadcast/ws2/n2: missing", "reduce/ws2/n2: missing"]
     assert differences(rebuilt, rebuilt) == []
+
+
+def test_every_shipped_entry_reads_as_a_message_and_a_malformed_one_is_refused() -> None:
+    shipped = json.loads(TRACES_FILE.read_text())
+    for ranks in shipped.values():
+        for log in ranks:
+            assert [Message.from_json(entry).to_json() for entry in log] == log
+    send = {"op": "send", "peer": 1, "nbytes": 8, "tag": 0}
+    for bad in [
+        {**send, "nbytes": "8"},
+        {**send, "tag": True},
+        {**send, "op": "all_reduce"},
+        {**send, "of": 0},
+        {"op": "wait", "of": 0.5},
+        [send],
+    ]:
+        with pytest.raises(ValueError):
+            Message.from_json(bad)

@@ -8,7 +8,10 @@ passes leaves no stale PNG behind.
 from __future__ import annotations
 
 import base64
+import html
 import re
+import shutil
+import subprocess
 from dataclasses import replace
 from pathlib import Path
 
@@ -107,3 +110,28 @@ def test_on_gradescope_the_picture_is_in_the_tests_html(tmp_path: Path):
     found = re.search(r'src="data:image/png;base64,([A-Za-z0-9+/=]+)"', pictured["output"])
     assert found is not None
     assert base64.b64decode(found.group(1)) == png_path(failed, tmp_path).read_bytes()
+
+
+def test_a_browser_draws_the_picture_gradescope_is_given(tmp_path: Path):
+    """The test's HTML output, in a page as Gradescope shows it, rendered by a real headless
+    browser: the message is text and the embedded picture decodes to an image of its size."""
+    pytest.importorskip("matplotlib")
+    browser = shutil.which("chromium") or shutil.which("chromium-browser")
+    if browser is None:
+        pytest.skip("no headless browser here (apt-get install chromium)")
+    failed = result(False, {"stage_timing": stage_timing(gpipe_two_stages())})
+    (drawn,) = draw_failed_schedules([failed], tmp_path)
+    (test,) = to_gradescope([drawn], 1.0, "summary")["tests"]
+    measure = "document.body.dataset.width = document.images[0].naturalWidth"
+    page = tmp_path / "test.html"
+    page.write_text(
+        f"<html><body><div class='test-output'>{test['output']}</div>"
+        f"<script>addEventListener('load', () => {{ {measure} }})</script></body></html>"
+    )
+    dom = subprocess.run(
+        [browser, "--headless", "--no-sandbox", "--disable-gpu", "--dump-dom", page.as_uri()],
+        capture_output=True, text=True, timeout=120, check=True,
+    ).stdout  # fmt: skip
+    width = re.search(r'data-width="(\d+)"', dom)
+    assert width is not None and int(width.group(1)) > 100, dom[:500]
+    assert failed.verdict.message.split("\n")[0] in html.unescape(dom)

@@ -23,6 +23,7 @@ from grader import failures, sandbox, wire
 from grader.course.submission import stage
 from grader.launch.job import job_settings
 from grader.launch.world import CallLimits, RankPool
+from grader.protocol import CallRequest
 from grader.segment import (
     HELD_MAX,
     RING_BYTES,
@@ -72,6 +73,7 @@ def receiver() -> Iterator[tuple[BrokerSegment, RankSegment]]:
 
 
 QUARTER = RING_BYTES // 4
+LIMITS = CallLimits(timeout=60)
 
 
 def _hold_half_of_the_ring(broker: BrokerSegment, rank: RankSegment, sent: torch.Tensor) -> Held:
@@ -263,8 +265,7 @@ def _link(path: str) -> str:
 
 def test_a_rank_rewriting_its_ring_after_a_send_changes_nothing(pool: RankPool) -> None:
     n = 1 << 18  # 1 MiB: in the ring
-    out = pool.call(2, "function", "collectives.rewrite_after_send", [(n,)] * 2,
-                    CallLimits(timeout=60), "")  # fmt: skip
+    out = pool.call(CallRequest(2, "collectives.rewrite_after_send", [(n,)] * 2), LIMITS)
     rewrites, received = out.returned
     assert rewrites > 0  # the ring was there, and written over while the message waited
     assert torch.equal(received, torch.ones(n))
@@ -278,8 +279,9 @@ def test_held_messages_arrive_whole_however_many_wait(pool: RankPool) -> None:
     16 MiB ring holds (the later ones travel in their frames), received last first."""
     n, count = 1 << 20, 6
     for _ in range(2):  # the first call's held payloads leave the ring as it was
-        out = pool.call(2, "function", "collectives.many_held", [(n, count)] * 2,
-                        CallLimits(timeout=60), "", keep_payloads=False)  # fmt: skip
+        out = pool.call(
+            CallRequest(2, "collectives.many_held", [(n, count)] * 2, keep_payloads=False), LIMITS
+        )
         assert out.returned[1] == [True] * count
         sends = [e for e in out.traffic.per_rank[0] if e.op == "send"]
         assert [e.nbytes for e in sends] == [4 * n] * count
@@ -288,8 +290,9 @@ def test_held_messages_arrive_whole_however_many_wait(pool: RankPool) -> None:
 
 
 def test_a_message_after_an_empty_one_arrives_whole(pool: RankPool) -> None:
-    out = pool.call(2, "function", "collectives.empty_then_full", [(1024,)] * 2,
-                    CallLimits(timeout=60), "", keep_payloads=False)  # fmt: skip
+    out = pool.call(
+        CallRequest(2, "collectives.empty_then_full", [(1024,)] * 2, keep_payloads=False), LIMITS
+    )
     assert out.returned[1] is True
 
 
@@ -299,8 +302,9 @@ def test_a_rank_rewriting_a_held_payload_changes_only_what_its_receiver_gets(
     """A payload held in its sender's ring is the sender's to garble, as a tensor written
     during an isend is in gloo: its size and the record stay the broker's."""
     n = 1 << 18
-    out = pool.call(2, "function", "collectives.rewrite_after_send", [(n,)] * 2,
-                    CallLimits(timeout=60), "", keep_payloads=False)  # fmt: skip
+    out = pool.call(
+        CallRequest(2, "collectives.rewrite_after_send", [(n,)] * 2, keep_payloads=False), LIMITS
+    )
     rewrites, received = out.returned
     assert rewrites > 0 and received.shape == (n,)
     sevens = torch.frombuffer(bytearray(b"\x07" * 4 * n), dtype=torch.float32)
@@ -312,13 +316,11 @@ def test_a_rank_rewriting_a_held_payload_changes_only_what_its_receiver_gets(
 
 def test_a_frame_naming_bytes_outside_its_segment_breaks_the_protocol(pool: RankPool) -> None:
     with pytest.raises(failures.RankFailure, match="outside the segment"):
-        pool.call(2, "function", "collectives.place_outside", [()] * 2,
-                  CallLimits(timeout=60), "")  # fmt: skip
+        pool.call(CallRequest(2, "collectives.place_outside", [()] * 2), LIMITS)
 
 
 def test_a_rank_cannot_resize_its_segment(pool: RankPool) -> None:
-    out = pool.call(2, "function", "collectives.shrink_segment", [()] * 2,
-                    CallLimits(timeout=60), "")  # fmt: skip
+    out = pool.call(CallRequest(2, "collectives.shrink_segment", [()] * 2), LIMITS)
     assert out.returned == [2, 2]  # shrinking and growing, both refused
     test_a_rank_rewriting_its_ring_after_a_send_changes_nothing(pool)
 
@@ -328,8 +330,7 @@ def test_no_segment_outlives_its_job(tmp_path: Path) -> None:
     shm_before, before = set(os.listdir("/dev/shm")), _segments_here()
     pool = RankPool(2, job_settings(tmp_path, sandbox.detect("auto"), "cpu"))
     try:
-        pool.call(2, "function", "collectives.rewrite_after_send", [(1024,)] * 2,
-                  CallLimits(timeout=60), "")  # fmt: skip
+        pool.call(CallRequest(2, "collectives.rewrite_after_send", [(1024,)] * 2), LIMITS)
         made = [s for s in _segments_here() if s not in before]
         assert len(made) == 4  # per rank, a mapping and the descriptor it holds
     finally:

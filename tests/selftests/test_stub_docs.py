@@ -6,7 +6,8 @@ grading.yaml's, restated in prose; each restatement is a claim below, read
 from the docstring it is in and checked against the loaded configuration, so
 that a change to grading.yaml that the docstrings do not follow fails here.
 A ratio ("1.5x") or a number of points in a stub's docstring that no claim
-reads fails too: a new restatement gets its claim.
+reads fails too: a new restatement gets its claim. Their shape is
+test_stub_shape.py's.
 """
 
 from __future__ import annotations
@@ -109,20 +110,20 @@ COLLECTIVES_CLAIMS = [
     Claim(
         "collectives.py",
         "module",
-        r"``communication\[<function>\]``, (\S+) point",
+        r"`communication\[<function>\]`, (\S+) point",
         points("collectives", "communication"),
     ),
     Claim(
         "collectives.py",
         "module",
-        r"``communication\[<function>\]``, \S+ point at (p = [\d, and]+\d),",
+        r"`communication\[<function>\]`, \S+ point at (p = [\d, and]+\d),",
         world_sizes("collectives", "communication"),
         ranks,
     ),
     Claim(
         "collectives.py",
         "module",
-        r"``communication\[<function>\]``, [^:]*? on (\d+) float32 elements",
+        r"`communication\[<function>\]`, [^:]*? on (\d+) float32 elements",
         option("collectives", "communication", "communication_elements"),
         size,
     ),
@@ -136,20 +137,20 @@ COLLECTIVES_CLAIMS = [
     Claim(
         "collectives.py",
         "module",
-        r"``performance\[<function>\]``, (\S+) point",
+        r"`performance\[<function>\]`, (\S+) point",
         points("collectives", "performance"),
     ),
     Claim(
         "collectives.py",
         "module",
-        r"``performance\[<function>\]``, \S+ point at (p = [\d, and]+\d),",
+        r"`performance\[<function>\]`, \S+ point at (p = [\d, and]+\d),",
         world_sizes("collectives", "performance"),
         ranks,
     ),
     Claim(
         "collectives.py",
         "module",
-        r"``performance\[<function>\]``, [^:]*? on (\d+M) float32 elements",
+        r"`performance\[<function>\]`, [^:]*? on (\d+M) float32 elements",
         option("collectives", "performance", "performance_elements"),
         size,
     ),

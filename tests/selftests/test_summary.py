@@ -8,16 +8,20 @@ such, never as a failure. Piped output is not cut at 80 columns.
 from __future__ import annotations
 
 import io
+from pathlib import Path
 
 from rich.console import Console
 
 from grader import protocol
 from grader.course.catalog import GradedTest
 from grader.course.config import TestSettings as Settings
+from grader.failures import Cause, StudentError
+from grader.judge.plugin import check_of
 from grader.judge.verdict import Verdict
 from grader.report.results import GradedResult
 from grader.report.summary import fix_first, part_matrix
 from grader.report.terminal import print_summary
+from grader.testkit.compare import require
 
 WRONG = "rank 0: {f} of float32[{n}]: element 0: expected 0.5, got 0.25 (rank 1's input alone)"
 
@@ -33,13 +37,26 @@ def result(
     score: float | None = None,
     target: str = "",
     wrong_result: bool = False,
+    check: str = "",
 ) -> GradedResult:
     settings = Settings((size,), points, 10.0, "visible", True)
     function = target or name.split("[")[-1].rstrip("]")
     test = GradedTest("collectives", name, name, f"collectives.{function}", kind, size, settings)
     earned = (points if outcome == protocol.PASSED else 0.0) if score is None else score
-    verdict = Verdict(outcome, message, wrong_result=wrong_result)
+    verdict = Verdict(outcome, message, cause=cause_of(outcome, wrong_result, score), check=check)
     return GradedResult(test, verdict, earned)
+
+
+def cause_of(outcome: str, wrong_result: bool, score: float | None) -> Cause | None:
+    """The cause the trusted side would have typed for such a failure."""
+    if outcome == protocol.PASSED:
+        return None
+    if wrong_result:
+        return Cause.WRONG_RESULT
+    if score:
+        return Cause.COST
+    causes = {protocol.TIMEOUT: Cause.DEADLOCK, protocol.NOT_RUN: Cause.NOT_RUN}
+    return causes.get(outcome, Cause.CHECK)
 
 
 def broken_all_reduce() -> list[GradedResult]:
@@ -233,6 +250,7 @@ def test_one_line_per_cause_names_the_tests_it_failed() -> None:
                 f=f, m="1 microbatch" if p == 2 else f"{p - 1} microbatches", p=p
             ),
             target=f,
+            check="test_pipeline_parallel.py:177",  # one check of the test, for both
         )
         for f in ("gpipe_step", "one_f_one_b_step")
         for p in (2, 3)
@@ -292,3 +310,28 @@ def test_a_part_that_did_not_run_says_why() -> None:
     text = render([result("broadcast", p, protocol.NOT_RUN, message=missing) for p in (1, 2)])
     assert f"  {missing}" in text
     assert "2 tests not run: `grader run --verbose` lists them" in text
+
+
+def test_a_failed_check_is_named_where_the_graded_test_raised_it() -> None:
+    """The check's name is the graded test's line that failed, not its message: a helper's
+    own line (``require``) is not it, and a call's failure is typed by its cause."""
+    try:
+        require(False, "rank 1: element 3 differs")
+    except AssertionError as err:
+        line = err.__traceback__.tb_lineno if err.__traceback__ else 0
+        assert check_of(err, Path(__file__)) == f"test_summary.py:{line}"
+    assert check_of(StudentError("rank 0: TypeError"), Path(__file__)) == ""
+
+
+def test_one_check_failed_with_other_figures_is_one_cause_and_two_checks_are_two() -> None:
+    def failed(size: int, check: str, message: str) -> GradedResult:
+        return result("gather", size, protocol.FAILED, message=message, check=check)
+
+    results = [
+        failed(2, "test_collectives.py:40", "rank 1: 3 items, expected 2"),
+        failed(3, "test_collectives.py:40", "ranks 1, 2: 4 items, expected 3"),
+        failed(4, "test_collectives.py:52", "rank 3: 4 items, expected 4"),
+    ]
+    fixes = fix_first(results)
+    assert [r.test.world_size for r in fixes.shown] == [2, 4]
+    assert fixes.affected(fixes.shown[0]) == "gather (p=3)"
