@@ -3,9 +3,10 @@
 Neither grades: ``grader list`` starts no rank, and says what it found from pytest's
 collection of the graded tests, which imports torch (the tests' modules do): seconds.
 So the collection is kept, for the next ``grader list``, in the user's cache
-(``$XDG_CACHE_HOME/grader``, else ``~/.cache/grader``), under a digest of everything it
-depends on: the graded tests' folder, the configuration, the grader's own sources and
-the versions of Python, pytest and torch. Any change to them is another digest, so a stale
+(``$XDG_CACHE_HOME/grader``, else ``~/.cache/grader``; one file for each configuration),
+beside a digest of the content of everything it depends on: the graded tests' folder, the
+configuration, the grader's own sources and the versions of Python, pytest and torch. It
+is used only while that digest is the same (a file's time is never asked), so a stale
 listing is never shown; a cache file that is unreadable or not a listing is ignored.
 Grading never reads this cache: it collects the tests itself.
 """
@@ -52,12 +53,14 @@ def list_tests(console: Console, config: GradingConfig, parts: list[str]) -> int
 
 def collected(config: GradingConfig) -> list[Row]:
     """Every part's graded tests: from the cache if it holds this course's, else collected."""
-    cached = _cache_dir() / f"collected-{_digest(config)}.json"
+    where = hashlib.sha256(str(config.path.resolve()).encode()).hexdigest()[:16]
+    cached, digest = _cache_dir() / f"collected-{where}.json", _digest(config)
     try:
-        rows = [tuple(row) for row in json.loads(cached.read_text())]
-        if all(_is_row(row) for row in rows):
+        kept = json.loads(cached.read_text())
+        rows = [tuple(row) for row in kept["rows"]]
+        if kept["digest"] == digest and all(_is_row(row) for row in rows):
             return rows  # type: ignore[return-value]
-    except (OSError, ValueError, TypeError):
+    except (OSError, ValueError, TypeError, KeyError):
         pass
     from grader.course.catalog import collect
 
@@ -67,7 +70,7 @@ def collected(config: GradingConfig) -> list[Row]:
     try:
         cached.parent.mkdir(parents=True, exist_ok=True)
         temporary = cached.with_name(f".{cached.name}.{os.getpid()}")
-        temporary.write_text(json.dumps(found))
+        temporary.write_text(json.dumps({"digest": digest, "rows": found}))
         os.replace(temporary, cached)
     except OSError:  # a read-only home lists as fast as before, no faster
         pass
