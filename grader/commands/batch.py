@@ -1,12 +1,12 @@
 """``grader batch``: a folder of submissions graded into one gradebook (CONTRACT section 3).
 
-Each student is graded by a ``grader run`` of its own, in a session of its own: a
-submission that hangs, crashes the grader or fills the log costs its own row and
-nothing else, and can be killed whole. Results are promoted to ``results.json``
-only once that run has ended with a verdict, so a file that exists is complete and
-a rerun of the same command grades exactly the students still missing: an
-interrupted batch, a preempted SLURM task or a failed CI job is finished by running
-it again. Shards split the sorted students by index modulo N, so that
+Each student is graded as a ``grader run`` of its own would grade it, by one of the batch's
+workers (:mod:`grader.commands.pool`): a submission that hangs, crashes the grader or
+fills the log costs its own row and nothing else, and can be killed whole. Results are
+promoted to ``results.json`` only once that grading has ended with a verdict, so a file
+that exists is complete and a rerun of the same command grades exactly the students still
+missing: an interrupted batch, a preempted SLURM task or a failed CI job is finished by
+running it again. Shards split the sorted students by index modulo N, so that
 ``sbatch --array`` tasks or CI matrix jobs need no shared state, and ``--merge``
 joins their outputs.
 
@@ -20,24 +20,21 @@ failures.txt get it without control characters.
 
 from __future__ import annotations
 
-import contextlib
+import argparse
 import csv
 import json
 import os
-import queue
 import shutil
-import signal
 import subprocess
 import sys
-import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from grader.launch import orphans
-from grader.launch.job import descendants
+from grader.commands import listing, pool
+from grader.commands.options import UsageError
+from grader.course.config import GradingConfig
 from grader.protocol import clean
 from grader.report import gradebook
 from grader.report.gradebook import from_cell
@@ -46,7 +43,6 @@ GRADEBOOK, FAILURES, SETTINGS = "gradebook.csv", "failures.txt", "batch.json"
 REPORT = "report.html"  # the class at a glance (grader.report.classreport)
 RESULTS, PARTIAL, LOG = "results.json", ".results.partial.json", "grader.log"
 RANKS_PER_RUN = 4  # the largest world size a grader run launches
-GRACE_SECONDS = 3  # how long a stopped grader gets to end its own jobs before SIGKILL
 EXIT_COMPLETE, EXIT_INCOMPLETE, EXIT_INTERRUPTED = 0, 1, 130
 
 
@@ -77,6 +73,42 @@ class _Running:
     student: str
     process: subprocess.Popen
     started: float
+
+
+def command(args: argparse.Namespace, config: GradingConfig, parts: list[str]) -> int:
+    """``grader batch``: check the whole selection once, here, rather than fail it once per
+    student; then grade, or merge."""
+    if args.merge:
+        if args.submissions is not None or args.parts or args.shard:
+            raise UsageError("--merge takes only shard folders and --out")
+        return merge(args.merge, args.out)
+    if args.submissions is None:
+        raise UsageError("grader batch needs SUBMISSIONS_DIR (or --merge DIR ...)")
+    shard = parse_shard(args.shard or "0/1")
+    if not args.submissions.is_dir():
+        raise UsageError(f"no such directory: {args.submissions}")
+    if not any(
+        part in parts
+        and (args.keyword is None or args.keyword in name)
+        and (not args.world_sizes or size in args.world_sizes)
+        for part, name, _, _, size in listing.collected(config)
+    ):
+        raise UsageError("no graded test matches the selection (-k / --world-size)")
+    run_args = [*args.parts, *(["-k", args.keyword] if args.keyword else [])]
+    run_args += [f"--world-size={n}" for n in args.world_sizes or []]
+    run_args += [f"--sandbox={args.sandbox}"] if args.sandbox != "auto" else []
+    grader_args = ["--config", str(config.path.resolve())]  # every student graded by this course
+    batch = Batch(
+        args.submissions,
+        args.out,
+        parts,
+        run_args,
+        grader_args,
+        jobs=usable_jobs(args.jobs),
+        shard=shard,
+        timeout=args.timeout,
+    )
+    return run_batch(batch)
 
 
 def parse_shard(text: str) -> tuple[int, int]:
@@ -156,8 +188,21 @@ def run_batch(batch: Batch) -> int:
         _write_text(batch.out / FAILURES, said)
         write_report(batch.out, names)
 
+    progress = _Progress(len(todo), time.monotonic())
+
+    def finish(student: pool.Student, seconds: float, status: int, timed_out: bool) -> None:
+        why = _finish(batch, student.name, seconds, status, timed_out, progress.step())
+        if why is not None:
+            failures[student.name] = why
+            log = shown(str(student.log))
+            print(f"grader batch: {shown(student.name)}: {why}; see {log}", file=sys.stderr)
+        books()
+
+    command = pool.worker_command(batch.grader_args, batch.run_args)
     try:
-        _grade(batch, todo, failures, books)
+        pool.grade_all(
+            command, [_student(batch, s) for s in todo], batch.jobs, batch.timeout, finish
+        )
     except KeyboardInterrupt:
         interrupted = True
     books()
@@ -169,6 +214,15 @@ def run_batch(batch: Batch) -> int:
         print("grader batch: interrupted; the same command grades the rest", file=sys.stderr)
         return EXIT_INTERRUPTED
     return EXIT_INCOMPLETE if missing else EXIT_COMPLETE
+
+
+def _student(batch: Batch, name: str) -> pool.Student:
+    """The student's folder in the output, made and emptied of a half-written result."""
+    folder = folder_of(batch.out, name)
+    folder.mkdir(parents=True, exist_ok=True)
+    for stale in (folder / RESULTS, folder / PARTIAL):
+        stale.unlink(missing_ok=True)
+    return pool.Student(name, batch.submissions / name, folder / PARTIAL, folder / LOG)
 
 
 def _check_settings(batch: Batch) -> None:
@@ -188,45 +242,6 @@ def _check_settings(batch: Batch) -> None:
         _write_text(path, json.dumps(settings, indent=2) + "\n")
 
 
-def _grade(
-    batch: Batch, todo: list[str], failures: dict[str, str], after_each: Callable[[], None]
-) -> None:
-    """Keep ``jobs`` gradings running until none is left; stop them all if interrupted.
-
-    One event queue: a thread per grading waits for its process and puts it there when it
-    ends; between ends the loop sleeps until the oldest grading's deadline, and stops it then.
-    Each student's end is told on a line of its own: "[k/N]", and the time left at the pace
-    so far.
-    """
-    pending, running = list(todo), list[_Running]()
-    progress = _Progress(len(todo), time.monotonic())
-    ended: queue.Queue[_Running] = queue.Queue()
-    try:
-        while pending or running:
-            while pending and len(running) < batch.jobs:
-                run = _start(batch, pending.pop(0))
-                running.append(run)
-                threading.Thread(target=_report_end, args=(run, ended), daemon=True).start()
-            oldest = min(running, key=lambda r: r.started)
-            try:
-                run, timed_out = ended.get(timeout=_left(batch, oldest)), False
-            except queue.Empty:
-                run, timed_out = oldest, True
-            if run not in running:  # stopped at its deadline, and handled then
-                continue
-            running.remove(run)
-            status = _stop([run.process])[0] if timed_out else run.process.wait()
-            orphans.end()  # what a grader stopped by SIGKILL left, handed to the batch
-            why = _finish(batch, run, status, timed_out, progress.step())
-            if why is not None:
-                failures[run.student] = why
-                log = shown(str(folder_of(batch.out, run.student) / LOG))
-                print(f"grader batch: {shown(run.student)}: {why}; see {log}", file=sys.stderr)
-            after_each()
-    finally:
-        _stop([run.process for run in running])
-
-
 @dataclass
 class _Progress:
     """How far a batch is: "[k/N]" and, at the pace so far, the time left."""
@@ -243,46 +258,12 @@ class _Progress:
         return f"[{self.done}/{self.total}{eta}]"
 
 
-def _report_end(run: _Running, ended: queue.Queue[_Running]) -> None:
-    run.process.wait()
-    ended.put(run)
-
-
-def _left(batch: Batch, run: _Running) -> float:
-    """Seconds until ``run`` reaches the per-student limit (--timeout)."""
-    return max(0.0, run.started + batch.timeout - time.monotonic())
-
-
-def _start(batch: Batch, student: str) -> _Running:
-    folder = folder_of(batch.out, student)
-    folder.mkdir(parents=True, exist_ok=True)
-    for stale in (folder / RESULTS, folder / PARTIAL):
-        stale.unlink(missing_ok=True)
-    command = [sys.executable, "-m", "grader", *batch.grader_args, "run", *batch.run_args]
-    command += [
-        "--submission",
-        str(batch.submissions / student),
-        "--results",
-        str(folder / PARTIAL),
-    ]
-    with open(folder / LOG, "w") as log:
-        process = orphans.start(  # its own child: never taken for an orphan of a killed job
-            command,
-            stdin=subprocess.DEVNULL,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            env={**os.environ, "NO_COLOR": "1", "COLUMNS": "120"},
-            start_new_session=True,
-        )
-    return _Running(student, process, time.monotonic())
-
-
 def _finish(
-    batch: Batch, run: _Running, status: int, timed_out: bool, step: str = ""
+    batch: Batch, student: str, seconds: float, status: int, timed_out: bool, step: str = ""
 ) -> str | None:
-    """Promote a finished run's results atomically; why the student has no row, or None."""
-    folder = folder_of(batch.out, run.student)
-    partial, seconds = folder / PARTIAL, time.monotonic() - run.started
+    """Promote a finished grading's results atomically; why the student has no row, or None."""
+    folder = folder_of(batch.out, student)
+    partial = folder / PARTIAL
     results = complete_results(partial) if status in (0, 1) and not timed_out else None
     if results is None:
         partial.unlink(missing_ok=True)
@@ -296,29 +277,8 @@ def _finish(
     os.replace(partial, folder / RESULTS)
     maximum = sum(t.get("max_score", 0) for t in results["tests"])
     points = f"{results['score']:g} / {maximum:g} points ({seconds:.0f} s)"
-    print(f"{step} {shown(run.student)}: {points}".lstrip(), flush=True)
+    print(f"{step} {shown(student)}: {points}".lstrip(), flush=True)
     return None
-
-
-def _stop(processes: list[subprocess.Popen]) -> list[int]:
-    """SIGTERM (a grader stops its own jobs, as on Ctrl-C), then SIGKILL all that is left.
-
-    All are signalled first, so that stopping many takes one grace period, not many.
-    """
-    for process in processes:
-        with contextlib.suppress(ProcessLookupError):
-            process.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + GRACE_SECONDS
-    for process in processes:
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            process.wait(timeout=max(0.0, deadline - time.monotonic()))
-        if process.poll() is None:
-            for pid in [*descendants(process.pid), process.pid]:  # workers: own sessions
-                with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.kill(pid, signal.SIGKILL)
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(process.pid, signal.SIGKILL)
-    return [process.wait() for process in processes]
 
 
 def _last_line(log: Path) -> str:

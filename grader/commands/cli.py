@@ -131,33 +131,79 @@ def _command(console: Console, args: argparse.Namespace, config: GradingConfig) 
     for part in parts:
         config.part(part)  # an unknown part is a usage error
     if args.command == "list":
-        return _list(console, config, parts)
+        from grader.commands.listing import list_tests
+
+        return list_tests(console, config, parts)
     if args.command == "doctor":
         from grader.commands.doctor import doctor
 
         return EXIT_PASSED if doctor(console, config, args.sandbox) else EXIT_CANNOT_GRADE
     modules = [f"{part}.py" for part in config.parts]
     if args.command == "bench":
-        return _bench(console, args, modules)
+        from grader.commands.listing import bench
+
+        return bench(console, args, modules)
     if args.command == "batch":
-        return _batch(args, config, parts)
-    return _grade_command(console, args, config, parts, modules)
+        return batching.command(args, config, parts)
+    return _grade_run(console, args, config, parts, modules)
 
 
-def _grade_command(
+def _grade_run(
     console: Console,
     args: argparse.Namespace,
     config: GradingConfig,
     parts: list[str],
     modules: list[str],
 ) -> int:
-    """``grader run``: check its options, make the workspace, grade."""
-    from grader.report.results import ResultsPathError, check_writable
-
+    """``grader run``: check the arguments, settle the workspace (its first line says the
+    level), then grade, watch, or serve a batch."""
+    began = time.monotonic()  # the printed time counts the start-up
     nodes = Nodes.from_options(args.nnodes, args.node_rank, args.rdzv_endpoint)
     if nodes is not None and not nodes.head:
         return _lend(nodes, args.sandbox)
     submission = resolve(args.submission, modules)
+    _check_run(args, nodes)
+    for_course = args.results is not None or args.batch_worker is not None
+    with interrupts.after():  # torch's import, where there is a GPU it might use
+        ranks_device = device()
+    workspace: Workspace | None = None
+    session: Session | None = None
+    try:
+        # On a terminal, what the start-up does, from its first second; the first line
+        # (the level, and why no stronger one) as soon as a rank has started at that level.
+        with console.status("starting: a rank in the sandbox") as status:
+            workspace = Workspace(config, args.sandbox, for_course, ranks_device)
+            if nodes is None:  # its torchrun and ranks import torch while this process does
+                workspace.start(_first_job_size(config, parts, args.world_sizes))
+                if args.batch_worker is None:
+                    _header(console, submission, workspace)
+            status.update("starting: importing torch, collecting the graded tests")
+            with interrupts.after():  # torch's import
+                from grader.commands.grading import Session
+            session = Session(workspace, nodes, warm=args.watch)
+            tests = _selected(args, config, parts, nodes)
+        if args.watch:
+            from grader.commands.watch import watch
+
+            watch(console, session, tests, submission, args.verbose)
+            return EXIT_INTERRUPTED  # watching ends only so
+        if args.batch_worker is not None:
+            return _serve(session, tests, args, modules)
+        told = nodes is None
+        return _run(console, session, tests, submission, args.results, args.verbose, began, told)
+    except KeyboardInterrupt:  # before the grading began, or while its results were told
+        console.print("[bold red]interrupted[/]: every worker was stopped")
+        return EXIT_INTERRUPTED
+    finally:
+        if session is not None:
+            session.close()
+        if workspace is not None:
+            workspace.close()
+
+
+def _check_run(args: argparse.Namespace, nodes: Nodes | None) -> None:
+    from grader.report.results import ResultsPathError, check_writable
+
     if args.backend == "nccl" and not _has_cuda():
         raise UsageError("--backend nccl needs CUDA GPUs, and none is visible")
     if args.results is not None:
@@ -165,40 +211,18 @@ def _grade_command(
             check_writable(args.results)
         except ResultsPathError as err:
             raise UsageError(str(err)) from err
-    if args.watch and (args.results is not None or nodes is not None):
+    alone = (args.watch, args.batch_worker is not None, args.results is not None, nodes)
+    if (args.watch or args.batch_worker is not None) and sum(map(bool, alone)) > 1:
         raise UsageError("--watch grades for the terminal: not with --results or --nnodes")
     sandbox.requested(args.sandbox)  # $GRADER_SANDBOX too
     if args.backend != "auto":
         os.environ["GRADER_DEVICE"] = "cuda" if args.backend == "nccl" else "cpu"
-    for_course = args.results is not None  # batch, Gradescope and the image write one
-    with interrupts.after():  # torch's import, where there is a GPU it might use
-        ranks_device = device()
-    workspace = Workspace(config, args.sandbox, for_course, ranks_device)
-    session: Session | None = None
-    try:
-        if nodes is None:  # its torchrun and ranks import torch while this process does
-            workspace.start(_first_job_size(config, parts, args.world_sizes))
-        with interrupts.after():  # torch's import
-            from grader.commands.grading import Session
-
-        session = Session(workspace, nodes, warm=args.watch)
-        return _grade(console, session, args, config, parts, nodes, submission)
-    finally:
-        if session is not None:
-            session.close()
-        workspace.close()
 
 
-def _grade(
-    console: Console,
-    session: Session,
-    args: argparse.Namespace,
-    config: GradingConfig,
-    parts: list[str],
-    nodes: Nodes | None,
-    submission: Path,
-) -> int:
-    """Collect and select the tests, and grade them (or watch)."""
+def _selected(
+    args: argparse.Namespace, config: GradingConfig, parts: list[str], nodes: Nodes | None
+) -> list[GradedTest]:
+    """Collect and select the tests."""
     from grader.course.catalog import collect
 
     with interrupts.after():  # pytest takes an interrupt for its own failure
@@ -206,16 +230,28 @@ def _grade(
     tests = select(collected, args.keyword, args.world_sizes)
     if nodes is not None:
         nodes.per_node(max(t.world_size for t in tests))
-    if args.watch:
-        from grader.commands.watch import watch
+    return tests
 
-        watch(console, session, tests, submission, args.verbose)
-        return EXIT_INTERRUPTED  # watching ends only so
-    try:
-        return _run(console, session, tests, submission, args.results, args.verbose)
-    except KeyboardInterrupt:  # before the grading began, or while its results were told
-        console.print("[bold red]interrupted[/]: every worker was stopped")
-        return EXIT_INTERRUPTED
+
+def _serve(
+    session: Session, tests: list[GradedTest], args: argparse.Namespace, modules: list[str]
+) -> int:
+    """A batch's worker: grade each student it is sent (:mod:`grader.commands.worker`)."""
+    from grader.commands.worker import serve
+
+    def grade(submission: Path, results: Path) -> int:
+        console = make_console()
+        return _run(console, session, tests, submission, results, args.verbose, time.monotonic())
+
+    return serve(sys.stdin, args.batch_worker, session.workspace, grade, modules)
+
+
+def _header(console: Console, submission: Path, workspace: Workspace, count: str = "") -> None:
+    """The first line: what is graded, and the level that isolates it and why."""
+    console.print(
+        f"Grading [bold]{escape(str(submission))}[/]{count}" + escape(_level_line(workspace)),
+        highlight=False,
+    )
 
 
 def _level_line(workspace: Workspace) -> str:
@@ -262,16 +298,17 @@ def _run(
     submission: Path,
     results_file: Path | None,
     verbose: bool = False,
+    start: float | None = None,
+    told: bool = False,
 ) -> int:
+    """Grade and tell: the time printed is from ``start`` (default: now); ``told``: the
+    first line was printed already."""
     from grader.commands.grading import Listener
     from grader.report.terminal import ProgressDisplay, print_summary
 
-    start = time.monotonic()
-    console.print(
-        f"Grading [bold]{escape(str(submission))}[/] ({len(tests)} tests)"
-        + escape(_level_line(session.workspace)),
-        highlight=False,
-    )
+    start = time.monotonic() if start is None else start
+    if not told:
+        _header(console, submission, session.workspace, f" ({len(tests)} tests)")
     with ProgressDisplay(console, len(tests)) as display:
         listener = Listener(display.on_start, display.on_verdict)
         run = session.grade(tests, submission, listener)
@@ -318,77 +355,6 @@ def _write(
         print(f"grader: error: cannot write {results_file}: {err.strerror}", file=sys.stderr)
         return EXIT_CANNOT_GRADE
     return None
-
-
-def _list(console: Console, config: GradingConfig, parts: list[str]) -> int:
-    from grader.course.catalog import collect
-    from grader.report.terminal import print_listing
-
-    try:
-        with interrupts.after():  # the tests' modules import torch
-            tests = collect(config, parts)
-    except ConfigError as err:
-        print(f"grader: error: {err}", file=sys.stderr)
-        return EXIT_CANNOT_GRADE
-    print_listing(console, tests, parts)
-    return EXIT_PASSED
-
-
-def _bench(console: Console, args: argparse.Namespace, modules: list[str]) -> int:
-    with interrupts.after():  # torch's import
-        from grader.bench.runner import DEFAULT_SIZES, plot, print_tables, run_bench
-        from grader.testkit.calls import COLLECTIVES
-
-    if any(part != "collectives" for part in args.parts):
-        raise UsageError("grader bench measures the collectives part only")
-    functions = [f for f in COLLECTIVES if args.keyword is None or args.keyword in f]
-    if not functions:
-        raise UsageError(f"no collective matches -k {args.keyword}")
-    sizes = [s for s in DEFAULT_SIZES if s <= args.max_bytes] or [args.max_bytes]
-    submission = resolve(args.submission, modules)
-    try:
-        world_sizes, iterations = args.world_sizes or [2, 4], max(1, args.iterations)
-        results = run_bench(console, submission, functions, world_sizes, sizes, iterations)
-    except KeyboardInterrupt:
-        console.print("[bold red]interrupted[/]: every worker was stopped")
-        return EXIT_INTERRUPTED
-    print_tables(console, results)
-    if any(r.records for r in results):
-        console.print(f"bus bandwidth plotted in {plot(results, args.output)}", highlight=False)
-    return EXIT_PASSED if not any(r.problem for r in results) else EXIT_FAILED
-
-
-def _batch(args: argparse.Namespace, config: GradingConfig, parts: list[str]) -> int:
-    """Check the whole selection once, here, rather than fail it once per student."""
-    from grader.course.catalog import collect
-
-    if args.merge:
-        if args.submissions is not None or args.parts or args.shard:
-            raise UsageError("--merge takes only shard folders and --out")
-        return batching.merge(args.merge, args.out)
-    if args.submissions is None:
-        raise UsageError("grader batch needs SUBMISSIONS_DIR (or --merge DIR ...)")
-    shard = batching.parse_shard(args.shard or "0/1")
-    if not args.submissions.is_dir():
-        raise UsageError(f"no such directory: {args.submissions}")
-    with interrupts.after():  # the tests' modules import torch
-        collected = collect(config, parts)
-    select(collected, args.keyword, args.world_sizes)
-    run_args = [*args.parts, *(["-k", args.keyword] if args.keyword else [])]
-    run_args += [f"--world-size={n}" for n in args.world_sizes or []]
-    run_args += [f"--sandbox={args.sandbox}"] if args.sandbox != "auto" else []
-    grader_args = ["--config", str(config.path.resolve())]  # every student graded by this course
-    batch = batching.Batch(
-        args.submissions,
-        args.out,
-        parts,
-        run_args,
-        grader_args,
-        jobs=batching.usable_jobs(args.jobs),
-        shard=shard,
-        timeout=args.timeout,
-    )
-    return batching.run_batch(batch)
 
 
 def _lend(nodes: Nodes, sandbox_request: str) -> int:

@@ -94,6 +94,8 @@ def _add_run(commands: Commands) -> None:
         action="store_true",
         help="regrade the selection each time a file of the submission changes (Ctrl-C stops)",
     )
+    # grader batch's own: grade the students it sends on stdin (grader.commands.worker)
+    run.add_argument("--batch-worker", type=int, metavar="FD", help=argparse.SUPPRESS)
     across = run.add_argument_group(
         "a job across nodes (torchrun's c10d rendezvous; the same command on every node)"
     )

@@ -90,8 +90,9 @@ class Workspace:
             self.work.chmod(0o711)  # a rank's uid passes through to its scratch, and no further
             (self.work / "import").mkdir()  # bound into every job; staged into at each grading
             if os.geteuid() == 0 and sys.platform == "linux":
-                self.identity = uids.reserve()
-                self.reference_identity = uids.reserve()
+                self.identity = uids.reserve(leftovers=False)
+                self.reference_identity = uids.reserve(leftovers=False)
+                uids.remove_files([self.identity, self.reference_identity])  # one pass for both
                 self.identity.share(self.work / "import")
         except BaseException:  # an interrupt before the caller holds the workspace
             shutil.rmtree(self.work, ignore_errors=True)
@@ -100,6 +101,22 @@ class Workspace:
     def start(self, size: int) -> None:
         """Choose the level and start the first job, of ``size`` ranks of this machine."""
         self.started = launch(self.settings(), size)
+
+    def renew_identity(self) -> None:
+        """A new block of uids for the next submission's ranks, the last one's given back
+        (its processes ended, its files in shared folders removed): a batch's students
+        share none."""
+        if self.identity is None:
+            return
+        old, self.identity = self.identity, None
+        new = uids.reserve(leftovers=False)
+        try:
+            uids.release_all([old], clear_too=[new])
+        except BaseException:
+            uids.release_all([new])
+            raise
+        self.identity = new
+        self.identity.share(self.work / "import")
 
     def chosen_level(self) -> sandbox.Level:
         if self.level is None:
@@ -122,10 +139,9 @@ class Workspace:
             self.started.end()
             self.started = None
         shutil.rmtree(self.work, ignore_errors=True)
-        for identity in (self.identity, self.reference_identity):
-            if identity is not None:
-                identity.release()
+        held = [i for i in (self.identity, self.reference_identity) if i is not None]
         self.identity = self.reference_identity = None
+        uids.release_all(held)
 
 
 def device() -> str:

@@ -7,8 +7,6 @@ from collections import defaultdict
 from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-from rich.table import Table
-from rich.text import Text
 
 from grader.course.catalog import GradedTest
 from grader.judge.verdict import Verdict
@@ -137,31 +135,6 @@ def _print_fixes(console: Console, part: str, results: list[GradedResult], verbo
     if fixes.hidden:
         console.print(f"  [dim]{escape(fixes.summary_line())}[/]", **wrap)
     console.print()
-
-
-def print_listing(console: Console, tests: list[GradedTest], parts: list[str]) -> None:
-    """`grader list`: each part's tests, with their world sizes, points and visibility."""
-    for part in parts:
-        table = Table(title=Text(part, style="bold"), title_justify="left")
-        for column in ("test", "target", "kind", "world sizes", "points each", "visibility"):
-            table.add_column(column)
-        sizes: dict[str, list[int]] = {}
-        first: dict[str, GradedTest] = {}
-        for test in (t for t in tests if t.part == part):
-            sizes.setdefault(test.name, []).append(test.world_size)
-            first.setdefault(test.name, test)
-        for name, test in first.items():
-            table.add_row(
-                Text(name),
-                Text(test.target),
-                test.kind,
-                ", ".join(map(str, sizes[name])),
-                f"{test.settings.points:g}",
-                test.settings.visibility,
-            )
-        total = sum(t.settings.points for t in tests if t.part == part)
-        table.caption = f"{total:g} points in all"
-        console.print(table)
 
 
 def _shown(text: str) -> str:
