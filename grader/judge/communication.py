@@ -104,5 +104,15 @@ def bound_bytes(function: str, world_size: int, n_bytes: int) -> float:
     return BANDWIDTH_BOUND[function](world_size) * n_bytes
 
 
+def moved(op: OpName, world_size: int, nbytes: int) -> float:
+    """The bytes an operation moves on a rank at the bound, from the bytes the broker records
+    for it (its first input, one rank's piece for a gather): a collective's bound of the whole
+    n, a send's bytes, a receive's none (they count on the sending rank)."""
+    if op in BANDWIDTH_BOUND:
+        by_piece = op in (OpName.ALL_GATHER, OpName.GATHER)
+        return bound_bytes(op, world_size, nbytes * world_size if by_piece else nbytes)
+    return nbytes if op == OpName.SEND else 0
+
+
 def min_rounds(world_size: int) -> int:
     return math.ceil(math.log2(world_size)) if world_size > 1 else 0

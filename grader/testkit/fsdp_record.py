@@ -15,7 +15,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from grader import wire
 from grader.broker.traffic import Event, Traffic
+from grader.judge import communication
 from grader.judge.call import CallResult
 from grader.protocol import OpName
 from grader.scenarios.fully_sharded import DTYPES, SHARDED
@@ -84,7 +86,7 @@ def gathered(e: Event, p: int, itemsize: dict[str, int]) -> str | None:
     return None
 
 
-ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
+ITEMSIZE = {name: dtype.itemsize for name, dtype in wire.DTYPES.items()}
 RECORD = " (the broker's record of what it carried)"
 
 
@@ -240,29 +242,19 @@ def _backward_gathers(step: Step, p: int, kind: str) -> list[str]:
 
 
 def bytes_bound(p: int, dtype: str) -> float:
-    """The bytes one step must move on a rank: the gathers (again for the Linear weights) in
-    the compute dtype, the reduce-scatters in float32, about (p-1)/p of the sharded bytes each,
-    and the replicated gradients' all-reduce, 2(p-1)/p of them."""
-    c, shard_bytes = ITEMSIZE[dtype], {n: shard_size(n, p) for n in SHARDED_PARAMS}
+    """The bytes one step must move on a rank (:func:`grader.judge.communication.moved`): the
+    gathers of the shards (again for the Linear weights) in the compute dtype, the
+    reduce-scatters of the padded gradients in float32, the replicated gradients' all-reduce."""
+    c, shard = ITEMSIZE[dtype], {n: shard_size(n, p) for n in SHARDED_PARAMS}
     linear = [f"{m}.weight" for m in SHARDED if m != "embed"]
-    return (p - 1) * (
-        sum(shard_bytes.values()) * c  # forward gathers
-        + sum(shard_bytes[n] for n in linear) * c  # backward gathers
-        + sum(shard_bytes.values()) * 4  # reduce-scatters
-    ) + 2 * (p - 1) / p * sum(NUMEL[n] for n in REPLICATED) * 4
-
-
-def moved(e: Event, p: int) -> float:
-    """The bytes an operation moves on its rank (a collective's by its bound's factor)."""
-    if e.op == OpName.ALL_GATHER:
-        return (p - 1) * e.nbytes
-    if e.op in (OpName.REDUCE_SCATTER, OpName.ALL_TO_ALL):
-        return (p - 1) / p * e.nbytes
-    if e.op == OpName.ALL_REDUCE:
-        return 2 * (p - 1) / p * e.nbytes
-    if e.op in (OpName.SEND, OpName.RECV):
-        return e.nbytes if e.op == OpName.SEND else 0
-    return e.nbytes
+    gathers = [shard[n] * c for n in [*SHARDED_PARAMS, *linear]]
+    scatters = [p * shard[n] * 4 for n in SHARDED_PARAMS]
+    replicated = sum(NUMEL[n] for n in REPLICATED) * 4
+    return (
+        sum(communication.moved(OpName.ALL_GATHER, p, b) for b in gathers)
+        + sum(communication.moved(OpName.REDUCE_SCATTER, p, b) for b in scatters)
+        + communication.moved(OpName.ALL_REDUCE, p, replicated)
+    )
 
 
 def step_messages(step: Step, p: int, local: dict[str, Tensor], tolerance: float) -> float:
@@ -292,7 +284,7 @@ def step_messages(step: Step, p: int, local: dict[str, Tensor], tolerance: float
     for e in scatters:
         problem = scatter_problem(e, p, local, tolerance)
         require(problem is None, str(problem))
-    return sum(moved(e, p) for e in step.events)
+    return sum(communication.moved(e.op, p, e.nbytes) for e in step.events)
 
 
 def late_scatter(traffic: Traffic, r: int, number: int, p: int) -> str | None:
