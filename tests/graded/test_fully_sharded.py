@@ -74,6 +74,7 @@ from grader.testkit.fully_sharded import (
     initial_state,
     local_grads,
     mean_factor,
+    observations,
     padded_shard,
     shard_size,
     within,
@@ -122,22 +123,22 @@ def hold_call(world: World, dtype: str) -> CallResult:
 @pytest.mark.parametrize("case", CASES)
 def test_training(world: World, options: TestOptions, record: TestRecord, case: str) -> None:
     p, (opt, dtype) = world.size, case.split("-")
-    out = train_call(world, opt, dtype, case)
+    seen = observations(train_call(world, opt, dtype, case).returned, case)
     tol = options.tolerance_for(dtype)
     want = expected(opt, dtype)["full"]
     what = f"{STEPS} steps of {opt} with compute_dtype={dtype} on {p} ranks"
 
     def check(r: int) -> None:
-        full = out.returned[r]["full"]
-        require(isinstance(full, dict), f"{what}: gather_full_params() returned no dict")
+        full = seen[r].full
+        require(full is not None, f"{what}: gather_full_params() returned no dict")
         missing = sorted(set(want) - set(full))
         require(not missing, f"{what}: gather_full_params() lacks {', '.join(missing)}")
         for name, value in want.items():
             got = full[name]
             require(
-                isinstance(got, Tensor) and got.shape == value.shape,
-                f"{what}: gather_full_params()[{name!r}] has shape "
-                f"{tuple(getattr(got, 'shape', ()))}, expected {tuple(value.shape)}",
+                got.shape == value.shape,
+                f"{what}: gather_full_params()[{name!r}] has shape {tuple(got.shape)}, "
+                f"expected {tuple(value.shape)}",
             )
             require(got.dtype == torch.float32, f"{what}: {name} is {got.dtype}, not float32")
             ok, rel = within(got, value, tol)
@@ -157,13 +158,14 @@ def test_training(world: World, options: TestOptions, record: TestRecord, case: 
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
 def test_gradient_shards(world: World, options: TestOptions, dtype: str) -> None:
     p = world.size
-    out = train_call(world, "sgd", dtype, f"sgd-{dtype}")
+    case = f"sgd-{dtype}"
+    observed = observations(train_call(world, "sgd", dtype, case).returned, case)
     tol = options.tolerance_for(dtype)
     grads = expected("sgd", dtype)["grads"]
     what = f"compute_dtype={dtype} on {p} ranks"
 
     def check(r: int) -> None:
-        for step, seen in enumerate(out.returned[r]["grads"]):
+        for step, seen in enumerate(observed[r].grads):
             at = f"{what}, step {step + 1}"
             for name in SHARDED_PARAMS:
                 got, s = seen[name], shard_size(name, p)
@@ -192,7 +194,7 @@ def test_gradient_shards(world: World, options: TestOptions, dtype: str) -> None
                 require(got is not None, f"{at}: {name}.grad (replicated) is None")
                 ok, rel = within(got, grads[step][name], tol)
                 require(ok, f"{at}: {name}.grad (replicated) is off the mean by {rel:.2g}")
-                same = out.returned[0]["grads"][step][name]
+                same = observed[0].grads[step][name]
                 require(torch.equal(got, same), f"{at}: {name}.grad differs from rank 0's")
 
     on_every_rank(p, check)
@@ -210,14 +212,15 @@ def padding_wrong(got: Tensor, want: Tensor, tol: float, start: int, name: str) 
 @pytest.mark.graded(target="fully_sharded.FullyShardedDataParallel", kind="schedule")
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_memory_at_rest(world: World, options: TestOptions, record: TestRecord, dtype: str) -> None:
-    p = world.size
-    out = train_call(world, "sgd", dtype, f"sgd-{dtype}")
+    p, case = world.size, f"sgd-{dtype}"
+    out = train_call(world, "sgd", dtype, case)
+    observed = observations(out.returned, case)
     held = hold_call(world, dtype)
 
     def check(r: int) -> None:
-        seen = out.returned[r]
-        for when, shapes_list in (("between steps", seen["at_rest"]),
-                                  ("after forward returned", seen["after_forward"])):  # fmt: skip
+        seen = observed[r]
+        for when, shapes_list in (("between steps", seen.at_rest),
+                                  ("after forward returned", seen.after_forward)):  # fmt: skip
             for shapes in shapes_list:
                 for name in SHARDED_PARAMS:
                     numel = math.prod(shapes[name])

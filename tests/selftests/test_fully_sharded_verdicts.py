@@ -8,6 +8,15 @@ matters), on the tests that show its fault.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+
+from grader.failures import Cause, CommunicationError
+from grader.testkit.fully_sharded import NUMEL, STEPS, observations
+
 PART = "fully_sharded"
 CASES = [f"{o}-{d}" for o in ("sgd", "adamw") for d in ("float32", "float16", "bfloat16")]
 NAMES = (
@@ -164,3 +173,103 @@ def test_forged_layer_marks_do_not_place_the_gathers(grade) -> None:
     graded = grade("fsdp_forged_marks", PART, k="float32]", world_sizes=(2,))
     assert graded.outcome("memory_at_rest[float32]", 2) == "passed"
     failed_because(graded, "communication[float32]", "prefetch at most two layers ahead")
+
+
+def honest_observation() -> dict[str, Any]:
+    """What an unpatched scenario returns, in the form the wire decodes it to."""
+    shapes = {name: [n] for name, n in NUMEL.items()}
+    grads = {name: torch.zeros(n) for name, n in NUMEL.items()}
+    return {
+        "grads": [dict(grads) for _ in range(STEPS)],
+        "after_forward": [dict(shapes) for _ in range(STEPS)],
+        "at_rest": [dict(shapes) for _ in range(STEPS + 1)],
+        "full": {name: torch.zeros(n) for name, n in NUMEL.items()},
+    }
+
+
+def _parent(tree: dict, path: tuple) -> Any:
+    for key in path[:-1]:
+        tree = tree[key]
+    return tree
+
+
+def _set(path: tuple, value: Any) -> Callable[[dict], dict]:
+    """A forgery that puts ``value`` at ``path`` of the tree."""
+
+    def forge(tree: dict) -> dict:
+        _parent(tree, path)[path[-1]] = value
+        return tree
+
+    return forge
+
+
+def _drop(*path: Any) -> Callable[[dict], dict]:
+    """A forgery that removes what is at ``path`` of the tree."""
+
+    def forge(tree: dict) -> dict:
+        _parent(tree, path).pop(path[-1])
+        return tree
+
+    return forge
+
+
+FORGERIES: dict[str, tuple[Callable[[dict], Any], str]] = {
+    "a list": (lambda t: list(t.values()), "observation: a list, not a dict of grads"),
+    "an empty dict": (lambda t: {}, "lacks after_forward and 3 more"),
+    "no grads": (_drop("grads"), "observation: lacks grads"),
+    "a field more": (_set(("extra",), 1), "holds 1 key(s) that are not fields"),
+    "a step short": (_drop("grads", 0), f"grads holds {STEPS - 1} entries, not {STEPS}"),
+    "a step of another kind": (_set(("at_rest", 1), [1]), "at_rest[1] is a list, not a dict"),
+    "a string for a gradient": (
+        _set(("grads", 1, "fc1.weight"), "x"),
+        "grads[1] holds a str where a tensor or None is due",
+    ),
+    "a parameter missing": (_drop("at_rest", 0, "head.bias"), "at_rest[0] lacks head.bias"),
+    "a parameter more": (_set(("grads", 0, "x"), None), "grads[0] holds 1 key(s) that are not"),
+    "a float in a shape": (_set(("after_forward", 2, "fc2.bias"), [1.5]), "a shape is due"),
+    "a bool in a shape": (_set(("after_forward", 0, "fc2.bias"), [True]), "a shape is due"),
+    "a number in full": (_set(("full", "fc1.bias"), 3.0), "full holds a float where a tensor"),
+    "full a string": (_set(("full",), "x"), "full is a str, not None or a dict"),
+}
+
+
+def test_an_honest_observation_reads_into_the_record() -> None:
+    """No gradient yet (None) and a gather_full_params() that returned no dict are the
+    submission's to be judged on by the tests, not malformed returns."""
+    tree = _set(("grads", 0, "fc1.bias"), None)(_set(("full",), None)(honest_observation()))
+    (seen,) = observations([tree], "")
+    assert seen.full is None and seen.grads[0]["fc1.bias"] is None
+    assert torch.equal(seen.grads[1]["fc1.bias"], tree["grads"][1]["fc1.bias"])
+    assert len(seen.at_rest) == STEPS + 1 and seen.after_forward[0]["fc1.weight"] == (230,)
+
+
+@pytest.mark.parametrize("forgery", FORGERIES)
+def test_a_malformed_observation_is_the_ranks_broken_protocol(forgery: str) -> None:
+    """The trusted side reads each rank's return into one checked record: a malformed one fails
+    in one line, the lowest rank's, charged to the submission as a protocol fault."""
+    forge, said = FORGERIES[forgery]
+    bad = forge(honest_observation())
+    with pytest.raises(CommunicationError) as caught:
+        observations([honest_observation(), bad, bad], "sgd-float32")
+    message = str(caught.value)
+    assert message.startswith("rank 1: fully_sharded.train returned a malformed observation: ")
+    assert said in message and message.endswith("(the same on rank 2) (case: sgd-float32)")
+    assert caught.value.cause is Cause.PROTOCOL and "\n" not in message
+
+
+def test_a_forged_observation_earns_nothing(grade) -> None:
+    """The scenario's result rewritten in the rank's process (a string where a gradient is
+    due): every test that reads it fails in one line naming the malformed return, never a
+    KeyError of the grader's; communication, judged on the broker's record alone, passes."""
+    graded = grade("fsdp_forged_observation", PART, k="float32]", world_sizes=(2,))
+    said = (
+        "rank 0: fully_sharded.train returned a malformed observation: grads[0] holds a str "
+        "where a tensor or None is due (the same on rank 1)"
+    )
+    names = ["training[sgd-float32]", "training[adamw-float32]", "gradient_shards[float32]"]
+    for name in [*names, "memory_at_rest[float32]"]:
+        failed_because(graded, name, said, outcome="error")
+        test = graded.test(name, 2)
+        assert test["score"] == 0 and test["extra_data"]["cause"] == "protocol"
+        assert "\n" not in test["output"].strip() and "Error" not in test["output"]
+    assert graded.outcome("communication[float32]", 2) == "passed"
