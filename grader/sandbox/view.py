@@ -106,5 +106,15 @@ def rank_side(work: Path) -> Path:
     if not (lib / "grader").is_dir():
         package = Path(__file__).resolve().parents[1]
         lib.mkdir(mode=0o755, exist_ok=True)
-        shutil.copytree(package, lib / "grader", ignore=shutil.ignore_patterns("__pycache__"))
+        copy_readable(package, lib / "grader")
     return lib
+
+
+def copy_readable(source: Path, target: Path) -> None:
+    """A copy of the package ``source`` that every uid may read, whatever the modes of the
+    original (a course made unreadable to others with ``chmod -R o-rwx``)."""
+    shutil.copytree(source, target, ignore=shutil.ignore_patterns("__pycache__"))
+    for folder, _, files in os.walk(target):
+        os.chmod(folder, 0o755)
+        for name in files:
+            os.chmod(os.path.join(folder, name), 0o644)

@@ -316,3 +316,18 @@ def test_no_course_checkout_on_the_import_path_is_readable(
     for entry in entries:
         assert Path(entry).resolve() not in readable, entry
     assert packages.resolve() in readable
+
+
+def test_the_ranks_copy_of_the_grader_is_readable_in_a_course_closed_to_others(
+    tmp_path: Path,
+) -> None:
+    """An editable install inside a course made unreadable to others (`chmod -R o-rwx`): the
+    copy the ranks import is readable by every uid all the same."""
+    package = tmp_path / "course" / "grader"
+    (package / "rank").mkdir(parents=True)
+    (package / "rank" / "__init__.py").write_text("")
+    for path in (package / "rank" / "__init__.py", package / "rank", package):
+        path.chmod(0o700 if path.is_dir() else 0o600)
+    view.copy_readable(package, tmp_path / "lib" / "grader")
+    for path in (tmp_path / "lib" / "grader").rglob("*"):
+        assert path.stat().st_mode & 0o005 == (0o005 if path.is_dir() else 0o004), path
