@@ -17,16 +17,14 @@ first step only (every rank has the initial weights) is judged on the others too
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from grader import failures
 from grader.broker.ops import Gate
-from grader.judge.call import case_suffix
 from grader.protocol import ProtocolError
 from grader.scenarios import fully_sharded as scenario
 from grader.scenarios.fully_sharded import (
@@ -39,8 +37,15 @@ from grader.scenarios.fully_sharded import (
     optimizer,
     scale_inputs,
 )
-from grader.testkit.compare import rank_blame
 from grader.testkit.data import generator
+from grader.testkit.observed import (
+    keys_problem,
+    kind,
+    per_step,
+    read_every_rank,
+    read_shape,
+    read_tensor_or_none,
+)
 
 ROWS, STEPS = 12, 3  # ROWS: the batch, split evenly over 1, 2, 3 or 4 ranks
 BASE_LR = {"sgd": 0.2, "adamw": 0.02}
@@ -255,13 +260,13 @@ class Observed:
         """The record of ``tree``, a rank's return for ``steps`` steps of a model whose
         parameters are ``names``; ProtocolError unless it has exactly that structure."""
         if not isinstance(tree, dict):
-            raise ProtocolError(f"a {_kind(tree)}, not a dict of {', '.join(FIELDS)}")
-        if problem := _keys(tree, FIELDS, "fields"):
+            raise ProtocolError(f"a {kind(tree)}, not a dict of {', '.join(FIELDS)}")
+        if problem := keys_problem(tree, FIELDS, "fields"):
             raise ProtocolError(problem)
         return cls(
-            _per_step(tree["grads"], "grads", steps, names, _gradient),
-            _per_step(tree["after_forward"], "after_forward", steps, names, _shape),
-            _per_step(tree["at_rest"], "at_rest", steps + 1, names, _shape),
+            per_step(tree["grads"], "grads", steps, names, read_tensor_or_none),
+            per_step(tree["after_forward"], "after_forward", steps, names, read_shape),
+            per_step(tree["at_rest"], "at_rest", steps + 1, names, read_shape),
             _full(tree["full"]),
         )
 
@@ -269,74 +274,14 @@ class Observed:
 def _full(value: Any) -> dict[str, Tensor] | None:
     """None, or tensors by name (any names: the test says which are missing)."""
     if value is not None and not isinstance(value, dict):
-        raise ProtocolError(f"full is a {_kind(value)}, not None or a dict")
+        raise ProtocolError(f"full is a {kind(value)}, not None or a dict")
     if value is not None and (wrong := [v for v in value.values() if not isinstance(v, Tensor)]):
-        raise ProtocolError(f"full holds a {_kind(wrong[0])} where a tensor is due")
+        raise ProtocolError(f"full holds a {kind(wrong[0])} where a tensor is due")
     return value
-
-
-def _per_step(
-    value: Any, field: str, count: int, names: Collection[str], read: Callable[[Any], Any]
-) -> tuple[dict[str, Any], ...]:
-    """``count`` dicts keyed by ``names``, each value through ``read`` (which raises
-    ValueError on a value of another kind)."""
-    if not isinstance(value, list):
-        raise ProtocolError(f"{field} is a {_kind(value)}, not a list")
-    if len(value) != count:
-        raise ProtocolError(f"{field} holds {len(value)} entries, not {count}")
-    out = []
-    for i, step in enumerate(value):
-        if not isinstance(step, dict):
-            raise ProtocolError(f"{field}[{i}] is a {_kind(step)}, not a dict")
-        if problem := _keys(step, names, "the model's parameters"):
-            raise ProtocolError(f"{field}[{i}] {problem}")
-        try:
-            out.append({name: read(v) for name, v in step.items()})
-        except ValueError as err:
-            raise ProtocolError(f"{field}[{i}] holds {err}") from None
-    return tuple(out)
-
-
-def _keys(tree: dict[str, Any], names: Collection[str], what: str) -> str:
-    """What is wrong with ``tree``'s keys, which must be ``names`` ("": nothing); the
-    rank's own keys are counted, never quoted."""
-    missing = sorted(set(names) - set(tree))
-    if missing:
-        return f"lacks {missing[0]}" + (f" and {len(missing) - 1} more" if len(missing) > 1 else "")
-    extra = len(set(tree) - set(names))
-    return f"holds {extra} key(s) that are not {what}" if extra else ""
-
-
-def _gradient(value: Any) -> Tensor | None:
-    if value is not None and not isinstance(value, Tensor):
-        raise ValueError(f"a {_kind(value)} where a tensor or None is due")
-    return value
-
-
-def _shape(value: Any) -> tuple[int, ...]:
-    if not isinstance(value, list | tuple) or not all(
-        isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in value
-    ):
-        raise ValueError(f"a {_kind(value)} where a shape is due")
-    return tuple(value)
-
-
-def _kind(value: Any) -> str:
-    """The type of a decoded value, for a message (a wire type's name: never the rank's text)."""
-    return type(value).__name__
 
 
 def observations(returned: Sequence[Any], case: str) -> list[Observed]:
-    """Every rank's :class:`Observed`; a malformed one breaks the protocol, charged to the
-    submission (the lowest rank's, with the ranks whose return is malformed the same way)."""
-    seen: list[Observed] = []
-    problems: dict[int, str] = {}
-    for r, tree in enumerate(returned):
-        try:
-            seen.append(Observed.read(tree, STEPS, NUMEL))
-        except ProtocolError as err:
-            problems[r] = f"fully_sharded.train returned a malformed observation: {err}"
-    if problems:
-        fault = failures.Fault.PROTOCOL
-        raise fault.failure(rank_blame(problems) + case_suffix(case), case, fault.cause)
-    return seen
+    """Every rank's :class:`Observed` (:func:`~grader.testkit.observed.read_every_rank`)."""
+    return read_every_rank(
+        returned, lambda tree: Observed.read(tree, STEPS, NUMEL), "fully_sharded.train", case
+    )

@@ -1,0 +1,94 @@
+"""Reading what a rank's scenario returned into a checked record, on the trusted side.
+
+A scenario runs in the rank's process, so its return is the submission's word: each
+scenario's observation record (such as :class:`grader.testkit.fully_sharded.Observed`) reads
+it with these checks, which raise :class:`~grader.protocol.ProtocolError` (or ValueError for
+one value) on any other structure, and :func:`read_every_rank` charges a malformed return to
+the submission in one line, never a KeyError in the graded test.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection, Sequence
+from typing import Any, TypeVar
+
+from torch import Tensor
+
+from grader import failures
+from grader.judge.call import case_suffix
+from grader.protocol import ProtocolError
+from grader.testkit.compare import rank_blame
+
+T = TypeVar("T")
+
+
+def read_every_rank(
+    returned: Sequence[Any], read: Callable[[Any], T], scenario: str, case: str
+) -> list[T]:
+    """Every rank's record, ``read`` from its return; a malformed one breaks the protocol,
+    charged to the submission (the lowest rank's, with the ranks whose return is malformed the
+    same way)."""
+    seen: list[T] = []
+    problems: dict[int, str] = {}
+    for r, tree in enumerate(returned):
+        try:
+            seen.append(read(tree))
+        except ProtocolError as err:
+            problems[r] = f"{scenario} returned a malformed observation: {err}"
+    if problems:
+        fault = failures.Fault.PROTOCOL
+        raise fault.failure(rank_blame(problems) + case_suffix(case), case, fault.cause)
+    return seen
+
+
+def per_step(
+    value: Any, field: str, count: int, names: Collection[str], read: Callable[[Any], Any]
+) -> tuple[dict[str, Any], ...]:
+    """``count`` dicts keyed by ``names``, each value through ``read`` (which raises
+    ValueError on a value of another kind)."""
+    if not isinstance(value, list):
+        raise ProtocolError(f"{field} is a {kind(value)}, not a list")
+    if len(value) != count:
+        raise ProtocolError(f"{field} holds {len(value)} entries, not {count}")
+    out = []
+    for i, step in enumerate(value):
+        if not isinstance(step, dict):
+            raise ProtocolError(f"{field}[{i}] is a {kind(step)}, not a dict")
+        if problem := keys_problem(step, names, "the model's parameters"):
+            raise ProtocolError(f"{field}[{i}] {problem}")
+        try:
+            out.append({name: read(v) for name, v in step.items()})
+        except ValueError as err:
+            raise ProtocolError(f"{field}[{i}] holds {err}") from None
+    return tuple(out)
+
+
+def keys_problem(tree: dict[str, Any], names: Collection[str], what: str) -> str:
+    """What is wrong with ``tree``'s keys, which must be ``names`` ("": nothing); the
+    rank's own keys are counted, never quoted."""
+    missing = sorted(set(names) - set(tree))
+    if missing:
+        return f"lacks {missing[0]}" + (f" and {len(missing) - 1} more" if len(missing) > 1 else "")
+    extra = len(set(tree) - set(names))
+    return f"holds {extra} key(s) that are not {what}" if extra else ""
+
+
+def read_tensor_or_none(value: Any) -> Tensor | None:
+    """``value`` if a tensor or None; ValueError otherwise."""
+    if value is not None and not isinstance(value, Tensor):
+        raise ValueError(f"a {kind(value)} where a tensor or None is due")
+    return value
+
+
+def read_shape(value: Any) -> tuple[int, ...]:
+    """``value`` as a shape (a sequence of sizes); ValueError otherwise."""
+    if not isinstance(value, list | tuple) or not all(
+        isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in value
+    ):
+        raise ValueError(f"a {kind(value)} where a shape is due")
+    return tuple(value)
+
+
+def kind(value: Any) -> str:
+    """The type of a decoded value, for a message (a wire type's name: never the rank's text)."""
+    return type(value).__name__
