@@ -70,10 +70,9 @@ def _run_layer(layer: nn.Module, full: nn.Linear, x: Tensor, grad: Tensor) -> di
     seen = _shard(layer, full)
     y = layer(x.requires_grad_())
     seen["output_type"] = type(y).__name__
-    if isinstance(y, Tensor):
-        if y.shape == grad.shape:
-            y.backward(grad)
-        seen["output"] = y
+    seen["output"] = y if isinstance(y, Tensor) else None
+    if isinstance(y, Tensor) and y.shape == grad.shape:
+        y.backward(grad)
     seen["input_grad"] = x.grad
     seen["weight_grad"] = _grad(layer, "weight")
     seen["bias_grad"] = _grad(layer, "bias")
@@ -104,7 +103,7 @@ def region_forward_backward(student: ModuleType, function: str, x: Tensor, grad:
     ``x`` comes back in the call's ``args``: the function must leave it as it was.
     """
     y = getattr(student, function)(x.requires_grad_())
-    seen: dict[str, Any] = {"output_type": type(y).__name__}
+    seen: dict[str, Any] = {"output_type": type(y).__name__, "output": None}
     if isinstance(y, Tensor):
         seen["output"] = y.detach().clone()  # before backward: nothing may change it later
         if y.shape == grad.shape:  # else the test names the output's shape

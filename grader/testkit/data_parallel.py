@@ -3,14 +3,16 @@
 What the tests compute here and never send to the ranks: the bucketing contract (the caps and
 how many all-reduces each gives), every rank's initial model and the batches from the secret
 seed, the words for a wrong gradient or parameter after a step, the broker's all-reduces of
-each iteration read by the scenario's marks, and the gates at the embedding that prove the
-communication overlapped the backward pass.
+each iteration read by the scenario's marks, the gates at the embedding that prove the
+communication overlapped the backward pass, and what each rank's scenario returned, read into
+one checked record (:class:`Trained`, :class:`Overlapped`).
 """
 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -20,11 +22,22 @@ from torch import Tensor, nn
 from grader.broker.ops import Gate
 from grader.broker.traffic import Event
 from grader.judge.call import CallResult
-from grader.protocol import OpName
+from grader.protocol import OpName, ProtocolError
 from grader.scenarios.data_parallel import DIM, TiedNet, build, tensors_of
 from grader.testkit.compare import carried, nearest
 from grader.testkit.data import generator
 from grader.testkit.explain import close, close_in_float32, difference, uniform_factor
+from grader.testkit.observed import (
+    dict_of,
+    list_of,
+    or_none,
+    read_every_rank,
+    read_field,
+    read_fields,
+    read_tensor,
+    read_text,
+    read_value,
+)
 from grader.tolerances import FLOAT32
 
 ROWS, STEPS = 12, 3  # ROWS: the full batch, split evenly over 1, 2, 3 or 4 ranks
@@ -297,10 +310,13 @@ def gates(full: list[tuple[Tensor, Tensor]], p: int, bucket: str) -> list[list[G
     return out
 
 
-def gate_problem(out: CallResult, rank: int, full: list, bucket: str) -> str | None:
+def gate_problem(
+    out: CallResult, rank: int, full: list, bucket: str, seen: Overlapped
+) -> str | None:
     """What the broker's gates prove wrong on ``rank``: a gate never passed, or passed before
     any all-reduce of the gradients already computed had started; and gradients that did not
-    go through the gate's secret factor (its point was not really passed inside backward)."""
+    go through the gate's secret factor (its point was not really passed inside backward), in
+    ``seen``, what the rank's scenario returned."""
     passes = {g.label: g for g in out.traffic.gates[rank]}
     for i in range(1, len(full) + 1):
         if f"iteration {i}" not in passes:
@@ -314,10 +330,10 @@ def gate_problem(out: CallResult, rank: int, full: list, bucket: str) -> str | N
                 "as its gradients are ready, from a gradient hook"
             )
     p = len(out.traffic.gates)
-    for i, seen in enumerate(out.returned[rank], start=1):
+    for i, grads in enumerate(seen.grads, start=1):
         locals_ = [gated_grads(*slices(full, r, p)[i - 1], gate_factor(r, i)) for r in range(p)]
         want = {TIED: sum(g[TIED] for g in locals_) / p}
-        got = {TIED: seen.get(TIED)} if isinstance(seen, dict) else {}
+        got = {TIED: grads.get(TIED)}
         if not (close_in_float32(got.get(TIED), want[TIED]) or uniform_factor(got, want)):
             return (
                 f"iteration {i}: {TIED}'s gradient is not the mean of the ranks' gradients "
@@ -367,3 +383,69 @@ def _among(values: Tensor, pool: Tensor) -> bool:
         return values.numel() == 0
     found = pool[nearest(values, pool)]
     return bool(((found - values).abs() <= FLOAT32.bound(values)).all())
+
+
+# -- what each rank's scenario returned, read into one checked record -------------------------
+
+Grads = Mapping[str, Tensor | None]
+_GRADS = dict_of(or_none(read_tensor))  # any names: the test says which are missing
+_TRAINED = ("module", "initial", "grads", "params")
+
+
+@dataclass(frozen=True)
+class Trained:
+    """What a rank's :func:`grader.scenarios.data_parallel.train` saw: the wrapped model's state
+    right after wrapping, the gradients after each synchronization and the parameters after
+    each step; or (``module`` not empty) the type the wrapper holds instead of a model, and
+    nothing trained."""
+
+    module: str
+    initial: Mapping[str, Tensor]
+    grads: tuple[Grads, ...]
+    params: tuple[Mapping[str, Tensor], ...]
+
+    @classmethod
+    def read(cls, tree: Any, steps: int) -> Trained:
+        """The record of ``tree``, a rank's return for ``steps`` steps; ProtocolError unless it
+        has exactly that structure."""
+        if isinstance(tree, dict) and set(tree) == {"module"}:
+            module = read_field(tree, "module", read_text)
+            if not module:
+                raise ProtocolError("module is empty, and nothing was trained")
+            return cls(module, {}, (), ())
+        read_fields(tree, _TRAINED)
+        if tree["module"] != "":
+            raise ProtocolError("module names what the wrapper holds, yet a model was trained")
+        return cls(
+            "",
+            read_field(tree, "initial", dict_of(read_tensor)),
+            read_field(tree, "grads", list_of(_GRADS, steps)),
+            read_field(tree, "params", list_of(dict_of(read_tensor), steps)),
+        )
+
+
+@dataclass(frozen=True)
+class Overlapped:
+    """What a rank's :func:`grader.scenarios.data_parallel.overlap` saw: the gradients after
+    each iteration's synchronization."""
+
+    grads: tuple[Grads, ...]
+
+    @classmethod
+    def read(cls, tree: Any, iterations: int) -> Overlapped:
+        """The record of ``tree``; ProtocolError unless it has exactly that structure."""
+        return cls(read_value(tree, "grads", list_of(_GRADS, iterations)))
+
+
+def trained(returned: Sequence[Any], case: str) -> list[Trained]:
+    """Every rank's :class:`Trained` (:func:`~grader.testkit.observed.read_every_rank`)."""
+    return read_every_rank(
+        returned, lambda tree: Trained.read(tree, STEPS), "data_parallel.train", case
+    )
+
+
+def overlapped(returned: Sequence[Any], iterations: int, case: str) -> list[Overlapped]:
+    """Every rank's :class:`Overlapped`."""
+    return read_every_rank(
+        returned, lambda tree: Overlapped.read(tree, iterations), "data_parallel.overlap", case
+    )

@@ -16,7 +16,7 @@ from torch import Tensor
 
 from grader import failures
 from grader.judge.call import case_suffix
-from grader.protocol import ProtocolError
+from grader.protocol import ProtocolError, clean
 from grader.testkit.compare import rank_blame
 
 T = TypeVar("T")
@@ -92,3 +92,100 @@ def read_shape(value: Any) -> tuple[int, ...]:
 def kind(value: Any) -> str:
     """The type of a decoded value, for a message (a wire type's name: never the rank's text)."""
     return type(value).__name__
+
+
+# -- readers composed into a record: each raises ValueError naming what it found, the path of
+# lists ("[i]") prefixed on the way out; read_field turns it into the record's ProtocolError.
+
+
+def read_fields(tree: Any, names: Collection[str]) -> dict[str, Any]:
+    """``tree``, a dict whose keys are exactly ``names``; ProtocolError otherwise."""
+    if not isinstance(tree, dict):
+        raise ProtocolError(f"a {kind(tree)}, not a dict of {', '.join(names)}")
+    if problem := keys_problem(tree, names, "fields"):
+        raise ProtocolError(problem)
+    return tree
+
+
+def read_field(tree: dict[str, Any], name: str, read: Callable[[Any], T]) -> T:
+    """``tree[name]`` through ``read`` (:func:`read_value`)."""
+    return read_value(tree[name], name, read)
+
+
+def read_value(value: Any, name: str, read: Callable[[Any], T]) -> T:
+    """``value``, called ``name``, through ``read``; a ProtocolError naming it and where in it."""
+    try:
+        return read(value)
+    except ValueError as err:
+        raise ProtocolError(_at(name, err)) from None
+
+
+def _at(where: str, err: ValueError) -> str:
+    """``err``'s words placed at ``where``: ``grads[1] holds a str where a tensor is due``."""
+    said = str(err)
+    return where + (said if said.startswith("[") else f" holds {said}")
+
+
+def list_of(read: Callable[[Any], T], count: int | None = None) -> Callable[[Any], tuple[T, ...]]:
+    """A reader of a list (of ``count`` items, if given), each item through ``read``."""
+
+    def read_list(value: Any) -> tuple[T, ...]:
+        if not isinstance(value, list | tuple):
+            raise ValueError(f"a {kind(value)} where a list is due")
+        if count is not None and len(value) != count:
+            raise ValueError(f"{len(value)} entries, not {count}")
+        out = []
+        for i, item in enumerate(value):
+            try:
+                out.append(read(item))
+            except ValueError as err:
+                raise ValueError(_at(f"[{i}]", err)) from None
+        return tuple(out)
+
+    return read_list
+
+
+def dict_of(read: Callable[[Any], T]) -> Callable[[Any], dict[str, T]]:
+    """A reader of a dict of any names (never quoted: the test says which are missing), each
+    value through ``read``."""
+
+    def read_dict(value: Any) -> dict[str, T]:
+        if not isinstance(value, dict):
+            raise ValueError(f"a {kind(value)} where a dict is due")
+        return {str(name): read(v) for name, v in value.items()}
+
+    return read_dict
+
+
+def read_tensor(value: Any) -> Tensor:
+    """``value`` if a tensor; ValueError otherwise."""
+    if not isinstance(value, Tensor):
+        raise ValueError(f"a {kind(value)} where a tensor is due")
+    return value
+
+
+def read_bool(value: Any) -> bool:
+    """``value`` if a bool; ValueError otherwise."""
+    if not isinstance(value, bool):
+        raise ValueError(f"a {kind(value)} where a bool is due")
+    return value
+
+
+def read_index(value: Any) -> int:
+    """``value`` if an int of at least 0 (not a bool); ValueError otherwise."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ValueError(f"a {kind(value)} where an index is due")
+    return value
+
+
+def read_text(value: Any) -> str:
+    """``value`` if a str, made safe to show on one line (:func:`~grader.protocol.clean`, its
+    whitespace one space); else ValueError."""
+    if not isinstance(value, str):
+        raise ValueError(f"a {kind(value)} where a str is due")
+    return " ".join(clean(value, 200).split())
+
+
+def or_none(read: Callable[[Any], T]) -> Callable[[Any], T | None]:
+    """A reader that also takes None."""
+    return lambda value: None if value is None else read(value)

@@ -4,14 +4,18 @@ The sizes of the layers and activations, the full layers, inputs and upstream gr
 from the secret seed, the full layer run in float64 with the magnitudes its rounding scales
 with, the check of a rank's value against its slice of an expected one (naming the usual
 mistake a wrong value matches), each region function by its definition, the MLP's shards
-and run, and the reading of the broker's record of the MLP's forward and backward (the
-operations of each phase and the partial sums their all-reduces must carry).
+and run, the reading of the broker's record of the MLP's forward and backward (the
+operations of each phase and the partial sums their all-reduces must carry), and what each
+rank's scenario returned, read into one checked record (:class:`LayerRun`,
+:class:`RegionRun`, :class:`MlpShards`, :class:`MlpRun`).
 """
 
 from __future__ import annotations
 
 from collections import Counter
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -25,7 +29,17 @@ from grader.launch.world import World
 from grader.scenarios.tensor_parallel import linear
 from grader.testkit.compare import check_close, on_every_rank, require
 from grader.testkit.data import rank_tensor
-from grader.testkit.shards import check_shard
+from grader.testkit.observed import (
+    or_none,
+    read_bool,
+    read_every_rank,
+    read_field,
+    read_fields,
+    read_tensor,
+    read_text,
+    read_value,
+)
+from grader.testkit.shards import HELD, Held, Shard, check_shard
 
 IN, OUT, FFN = 8, 12, 16  # divisible by 1, 2 and 4
 SHAPE = (2, 3)  # leading dimensions of every activation: 6 rows
@@ -83,10 +97,10 @@ def expect(
     check_close(got, want, what, magnitude=magnitude, terms=terms, explanations=explanations)
 
 
-def output_of(seen: dict, what: str) -> Tensor:
+def output_of(seen: LayerRun | RegionRun | MlpRun, what: str) -> Tensor:
     """The output a rank's forward returned, or why there is none (it was not a tensor)."""
-    output = seen.get("output")
-    require(output is not None, f"{what}: forward returned a {seen['output_type']}, not a tensor")
+    output = seen.output
+    require(output is not None, f"{what}: forward returned a {seen.output_type}, not a tensor")
     return output
 
 
@@ -133,13 +147,13 @@ def mlp_call(world: World) -> tuple[dict[str, Tensor], Tensor, Tensor, CallResul
         args=[((w1, b1), (w2, b2))] * world.size,
         case="from_linears",
     )
+    held = observed(shards.returned, MlpShards.read, "mlp_shards", "from_linears")
 
     def check(r: int) -> None:
-        for role, layer, full in (
-            ("fc1", "ColumnParallelLinear", {"weight": w1, "bias": b1}),
-            ("fc2", "RowParallelLinear", {"weight": w2, "bias": b2}),
+        for seen, role, layer, full in (
+            (held[r].fc1, "fc1", "ColumnParallelLinear", {"weight": w1, "bias": b1}),
+            (held[r].fc2, "fc2", "RowParallelLinear", {"weight": w2, "bias": b2}),
         ):
-            seen = shards.returned[r][role]
             kind = f"{layer} (its {role}, {layer[:3].lower()} parallel)"
             require(seen is not None, f"ParallelMLP.from_linears: the MLP holds no {kind}")
             check_shard(seen, full, layer, world.size, r, f"ParallelMLP.from_linears: {role}")
@@ -150,6 +164,11 @@ def mlp_call(world: World) -> tuple[dict[str, Tensor], Tensor, Tensor, CallResul
     gates = [[Gate.handing("forward", x), Gate.handing("backward", grad)]] * world.size
     out = world.call(scenario="tensor_parallel.mlp_forward_backward", args=args, gates=gates)
     return {"w1": w1, "b1": b1, "w2": w2, "b2": b2}, x, grad, out
+
+
+def mlp_runs(out: CallResult) -> list[MlpRun]:
+    """Every rank's :class:`MlpRun` of ``out``, the MLP's call (:func:`mlp_call`)."""
+    return observed(out.returned, MlpRun.read, "mlp_forward_backward", "")
 
 
 def phase_operations(out: CallResult, rank: int) -> dict[str, Counter]:
@@ -189,3 +208,107 @@ def partial_sums(full: dict[str, Tensor], x: Tensor, grad: Tensor, p: int, r: in
     a = F.gelu(h)
     a.backward(grad.double() @ w2[:, rows])
     return {"forward": a.detach() @ w2[:, rows].T, "backward": h.grad @ w1[rows]}
+
+
+# -- what each rank's scenario returned, read into one checked record -------------------------
+
+R = TypeVar("R")
+RAN = ("output_type", "output", "input_grad")  # every run's: forward's result, input's gradient
+GRAD = or_none(read_tensor)
+MLP_GRADS = ("fc1 weight", "fc1 bias", "fc2 weight", "fc2 bias")
+
+
+@dataclass(frozen=True)
+class RegionRun:
+    """What a rank's forward and backward saw: the type the forward returned, its output
+    (None: not a tensor) and the input's gradient (None: no ``.grad``)."""
+
+    output_type: str
+    output: Tensor | None
+    input_grad: Tensor | None
+
+    @classmethod
+    def read(cls, tree: Any) -> RegionRun:
+        """The record of ``tree``; ProtocolError unless it has exactly that structure."""
+        read_fields(tree, RAN)
+        return cls(*_ran(tree))
+
+
+def _ran(tree: dict[str, Any]) -> tuple[str, Tensor | None, Tensor | None]:
+    """The fields :data:`RAN` of ``tree``, read."""
+    return (
+        read_field(tree, "output_type", read_text),
+        read_field(tree, "output", GRAD),
+        read_field(tree, "input_grad", GRAD),
+    )
+
+
+@dataclass(frozen=True)
+class LayerRun:
+    """What a rank's :func:`grader.scenarios.tensor_parallel.column_forward_backward` (or
+    ``row_``) saw: the layer's tensors, its forward and backward (as :class:`RegionRun`) and
+    its weight's and bias's gradients (None: no ``.grad``)."""
+
+    held: Held
+    output_type: str
+    output: Tensor | None
+    input_grad: Tensor | None
+    weight_grad: Tensor | None
+    bias_grad: Tensor | None
+
+    @classmethod
+    def read(cls, tree: Any) -> LayerRun:
+        """The record of ``tree``; ProtocolError unless it has exactly that structure."""
+        read_fields(tree, (*HELD, *RAN, "weight_grad", "bias_grad"))
+        grads = (read_field(tree, name, GRAD) for name in ("weight_grad", "bias_grad"))
+        return cls(Held.read(tree), *_ran(tree), *grads)
+
+
+@dataclass(frozen=True)
+class MlpShards:
+    """What a rank's :func:`grader.scenarios.tensor_parallel.mlp_shards` saw: the MLP's fc1
+    and fc2 as ``from_linears`` built them (None: the MLP holds no such layer)."""
+
+    fc1: Shard | None
+    fc2: Shard | None
+
+    @classmethod
+    def read(cls, tree: Any) -> MlpShards:
+        """The record of ``tree``; ProtocolError unless it has exactly that structure."""
+        read_fields(tree, ("fc1", "fc2"))
+        return cls(*(None if tree[k] is None else Shard.read(tree[k]) for k in ("fc1", "fc2")))
+
+
+@dataclass(frozen=True)
+class MlpRun:
+    """What a rank's :func:`grader.scenarios.tensor_parallel.mlp_forward_backward` saw: whether
+    the MLP holds a column and a row parallel layer, its forward and backward (as
+    :class:`RegionRun`) and the layers' gradients by :data:`MLP_GRADS`' names."""
+
+    has_column: bool
+    has_row: bool
+    output_type: str
+    output: Tensor | None
+    input_grad: Tensor | None
+    grads: Mapping[str, Tensor | None]
+
+    @classmethod
+    def read(cls, tree: Any) -> MlpRun:
+        """The record of ``tree``; ProtocolError unless it has exactly that structure."""
+        read_fields(tree, ("has_column", "has_row", *RAN, *MLP_GRADS))
+        found = (read_field(tree, name, read_bool) for name in ("has_column", "has_row"))
+        grads = {name: read_field(tree, name, GRAD) for name in MLP_GRADS}
+        return cls(*found, *_ran(tree), grads)
+
+
+def raised(value: Any) -> str | None:
+    """What a rank's :func:`grader.scenarios.tensor_parallel.construct` returned: the message
+    of the ValueError it raised, or None; ProtocolError otherwise."""
+    return read_value(value, "what it raised", or_none(read_text))
+
+
+def observed(
+    returned: Sequence[Any], read: Callable[[Any], R], scenario: str, case: str
+) -> list[R]:
+    """Every rank's record of ``scenario`` (:func:`~grader.testkit.observed.read_every_rank`)."""
+    return read_every_rank(returned, read, f"tensor_parallel.{scenario}", case)

@@ -7,13 +7,16 @@ group, of the rank alone, never sent anything to the others. Values are matched 
 content against the unsharded optimizer's updated parameters (computed here), so that neither
 the order of the messages nor their grouping into tensors matters: whole parameters, flat
 element ranges and buckets of several parameters are all read the same way.
+What each rank's scenario returned is read into one checked record (:class:`Stepped`).
 """
 
 from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -22,6 +25,14 @@ from grader.broker.traffic import Event, Traffic
 from grader.protocol import OpName
 from grader.testkit.compare import carried, nearest
 from grader.testkit.data import generator
+from grader.testkit.observed import (
+    list_of,
+    read_every_rank,
+    read_field,
+    read_fields,
+    read_index,
+    read_tensor,
+)
 from grader.tolerances import FLOAT64_ORACLE
 
 HOW = (
@@ -148,3 +159,29 @@ def loads(owned: Owners, p: int, per_param: list[int], scalars: list[int]) -> li
         )
         for row in owned.counts(p)
     ]
+
+
+@dataclass(frozen=True)
+class Stepped:
+    """What a rank's :func:`grader.scenarios.data_parallel.sharded` saw: every parameter after
+    each step, and after each ``zero_grad()`` the parameters still holding a nonzero gradient."""
+
+    params: tuple[tuple[Tensor, ...], ...]
+    kept: tuple[tuple[int, ...], ...]
+
+    @classmethod
+    def read(cls, tree: Any, steps: int, count: int) -> Stepped:
+        """The record of ``tree``, a rank's return for ``steps`` steps of ``count`` parameters;
+        ProtocolError unless it has exactly that structure."""
+        read_fields(tree, ("params", "kept"))
+        return cls(
+            read_field(tree, "params", list_of(list_of(read_tensor, count), steps)),
+            read_field(tree, "kept", list_of(list_of(read_index), steps)),
+        )
+
+
+def stepped(returned: Sequence[Any], steps: int, count: int, case: str) -> list[Stepped]:
+    """Every rank's :class:`Stepped` (:func:`~grader.testkit.observed.read_every_rank`)."""
+    return read_every_rank(
+        returned, lambda tree: Stepped.read(tree, steps, count), "data_parallel.sharded", case
+    )

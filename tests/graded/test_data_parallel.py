@@ -50,8 +50,10 @@ from grader.testkit.data_parallel import (
     initial_mismatch,
     initial_state,
     overlap_problem,
+    overlapped,
     param_problem,
     slices,
+    trained,
 )
 from grader.testkit.explain import blame
 
@@ -78,14 +80,15 @@ def check_training(world: World, optimizer: str, bucket: str, unused_step: int =
     states, full = [initial_state(r) for r in range(p)], batches()
     args = [(states[r], optimizer, size_mb, slices(full, r, p), unused_step) for r in range(p)]
     try:
-        seen = world.call(scenario="data_parallel.train", args=args, case=what).returned
+        out = world.call(scenario="data_parallel.train", args=args, case=what)
     except failures.RankFailure as err:
         if not unused_step or isinstance(err, failures.NotImplementedYet):
             raise
         raise err.with_hint(UNUSED_HINT) from err
+    seen = trained(out.returned, what)
     keep = "keep the wrapped model as DataParallel.module (found {})"
-    blame(what, [s["module"] and keep.format(s["module"]) for s in seen])
-    mismatches = [initial_mismatch(s["initial"], states[0]) for s in seen]
+    blame(what, [s.module and keep.format(s.module) for s in seen])
+    mismatches = [initial_mismatch(s.initial, states[0]) for s in seen]
     for bad, mismatch in enumerate(mismatches):
         if mismatch:
             raise AssertionError(
@@ -107,7 +110,7 @@ def check_training(world: World, optimizer: str, bucket: str, unused_step: int =
         want = grads_of(oracle)
         unused = () if use_hidden else UNUSED
         problems = [
-            gradient_problem(s["grads"][step - 1], want, singles[r], p, unused)
+            gradient_problem(s.grads[step - 1], want, singles[r], p, unused)
             for r, s in enumerate(seen)
         ]
         if not use_hidden:
@@ -124,7 +127,7 @@ def check_training(world: World, optimizer: str, bucket: str, unused_step: int =
         params = {n: q.detach() for n, q in oracle.named_parameters()}
         blame(
             f"{what}, after step {step}",
-            [param_problem(s["params"][step - 1], params) for s in seen],
+            [param_problem(s.params[step - 1], params) for s in seen],
         )
         optim.zero_grad()
 
@@ -155,6 +158,7 @@ def test_overlap(world: World, record: TestRecord, bucket: str) -> None:
     out = world.call(
         scenario="data_parallel.overlap", args=args, case=where, gates=gates(full, p, bucket)
     )
+    returned = overlapped(out.returned, len(full), where)
     seen = [all_reduces(out, r) for r in range(p)]
     blame(
         where,
@@ -171,6 +175,6 @@ def test_overlap(world: World, record: TestRecord, bucket: str) -> None:
         blame(f"{where}, iteration {i + 1}", [overlap_problem(s, i, bucket) for s in seen])
     # Whether they started during backward: the broker's gate at the embedding.
     record.details["gates_opened"] = [[g.opened for g in out.traffic.gates[r]] for r in range(p)]
-    blame(where, [gate_problem(out, r, full, bucket) for r in range(p)])
+    blame(where, [gate_problem(out, r, full, bucket, returned[r]) for r in range(p)])
     # And what the all-reduces carried: the gradients themselves, not a decoy of their size.
     blame(where, [carried_problem(out, r, full) for r in range(p)])

@@ -27,6 +27,7 @@ schedule (``grader/scenarios/pipeline_parallel.py``), with fewer microbatches th
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 
 import pytest
 import torch
@@ -49,6 +50,7 @@ from grader.testkit import (
     stage_timing,
 )
 from grader.testkit.messages import Expected
+from grader.testkit.pipeline_parallel import Stepped, steps
 from grader.testkit.schedule import PipelineSchedule, in_flight_bound, judge_stage, observed_order
 
 REGIMES = ("m<p", "m=p", "m>p")
@@ -162,8 +164,8 @@ def expected_messages(p: int, inputs: Tensor, targets: Tensor, m: int) -> Expect
     return expected
 
 
-def check_loss(seen: dict, rank: int, p: int, losses: list[float], what: str) -> None:
-    kind, returned = seen["loss_type"], seen["loss"]
+def check_loss(seen: Stepped, rank: int, p: int, losses: list[float], what: str) -> None:
+    kind, returned = seen.loss_type, seen.loss
     if rank != p - 1:
         require(
             kind == "None",
@@ -176,7 +178,7 @@ def check_loss(seen: dict, rank: int, p: int, losses: list[float], what: str) ->
         f"{what}: the last stage returned {kind}, expected the mean loss over the microbatches "
         f"as a scalar tensor",
     )
-    require(not seen["loss_requires_grad"], f"{what}: return the loss detached (loss.detach())")
+    require(not seen.loss_requires_grad, f"{what}: return the loss detached (loss.detach())")
     m, value = len(losses), float(returned)
     mean = sum(losses) / m
     if FLOAT32_SCALAR.holds(value, mean):
@@ -218,7 +220,9 @@ def gradient_mistakes(shares: list[Tensor], rank: int, p: int) -> dict[str, Tens
     return mistakes if m > 1 else {k: v for k, v in mistakes.items() if "2x" in k or "zero:" in k}
 
 
-def check_gradients(grads: dict, shares: Shares, rank: int, p: int, what: str) -> None:
+def check_gradients(
+    grads: Mapping[str, Tensor | None], shares: Shares, rank: int, p: int, what: str
+) -> None:
     for name, parts in shares.items():
         where = f"{what}: stage {rank}, parameter {name}"
         want, grad = sum(parts), grads.get(name)
@@ -250,14 +254,15 @@ def check_step(world: World, function: str, regime: str) -> None:
     what = f"{function} with {m} microbatch{'es' if m > 1 else ''} on {p} stages"
     out, inputs, targets = run_step(world, function, m)
     losses, shares = expected_shares(p, inputs, targets, m)
+    seen = steps(out.returned, what)
 
     def check(r: int) -> None:
         for name, index, original in (("inputs", 3, stand_in(m)), ("targets", 4, targets)):
             if out.args[r][index] is not None:
                 given = out.args[r][index]
                 check_unchanged(given, original, f"{what}: {name} (an argument, not an output)")
-        check_loss(out.returned[r], r, p, losses, what)
-        check_gradients(out.returned[r]["grads"], shares[r], r, p, what)
+        check_loss(seen[r], r, p, losses, what)
+        check_gradients(seen[r].grads, shares[r], r, p, what)
 
     on_every_rank(p, check)
 

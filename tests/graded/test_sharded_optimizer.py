@@ -108,20 +108,31 @@ def sharded_call(
     return world.call(
         scenario="data_parallel.sharded",
         args=[(name, initial, mine, own_first, split) for mine in grads],
-        case=f"ShardedOptimizer({SHARDED[name][0].__name__}) on {world.size} ranks",
+        case=case_of(name, world.size),
     )
+
+
+def case_of(name: str, p: int) -> str:
+    return f"ShardedOptimizer({SHARDED[name][0].__name__}) on {p} ranks"
+
+
+def observed(out: CallResult, name: str, initial: list[Tensor]) -> list[zero.Stepped]:
+    """Every rank's record of ``out``, a call of :func:`sharded_call` stepping ``initial``."""
+    case = case_of(name, len(out.returned))
+    return zero.stepped(out.returned, SHARDED_STEPS, len(initial), case)
 
 
 def call_sharded(
     world: World, name: str, inputs: Any, own_first: bool = False, split: int = FIRST_GROUP
-) -> list[dict[str, Any]]:
+) -> list[zero.Stepped]:
     """Every rank's observations of the student's ShardedOptimizer stepping ``inputs``."""
     initial, grads = inputs
-    return sharded_call(world, name, initial, [grads] * world.size, own_first, split).returned
+    out = sharded_call(world, name, initial, [grads] * world.size, own_first, split)
+    return observed(out, name, initial)
 
 
 def check_steps(
-    seen: list[dict[str, Any]],
+    seen: list[zero.Stepped],
     name: str,
     inputs: Any,
     own_first: bool = False,
@@ -148,8 +159,8 @@ def check_steps(
         oracle.step()
         ignoring.step()
         want = [q.detach() for q in theirs]
-        before = [s["params"][step - 2] if step > 1 else initial for s in seen]
-        after = [s["params"][step - 1] for s in seen]
+        before = [s.params[step - 2] if step > 1 else initial for s in seen]
+        after = [s.params[step - 1] for s in seen]
         nowhere = {i for i in range(len(want)) if all(unchanged(i, after, before))}
         blame(
             f"{what}: after step {step}",
@@ -162,7 +173,7 @@ def check_steps(
                     k
                     and f"parameter {k[0]} still has a gradient: zero_grad() must clear every "
                     "parameter's gradient, not only this rank's shard"
-                    for k in (s["kept"][step - 1] for s in seen)
+                    for k in (s.kept[step - 1] for s in seen)
                 ],
             )
         oracle.zero_grad()
@@ -279,7 +290,7 @@ def test_sharded_optimizer_state(world: World, record: TestRecord) -> None:
     inputs, p = sharded_inputs(), world.size
     what = f"ShardedOptimizer(AdamW) on {p} ranks"
     first = sharded_call(world, "adamw", inputs[0], [inputs[1]] * p)
-    check_steps(first.returned, "adamw", inputs, zero_grad=False)
+    check_steps(observed(first, "adamw", inputs[0]), "adamw", inputs, zero_grad=False)
     updated = updates("adamw", inputs)
     owned, problem = zero.owners(first.traffic, updated)
     if owned is None:
@@ -345,7 +356,7 @@ def check_owners_only(
     ]
     second = sharded_call(world, "adamw", inputs[0], grads)
     try:
-        check_steps(second.returned, "adamw", inputs, zero_grad=False)
+        check_steps(observed(second, "adamw", inputs[0]), "adamw", inputs, zero_grad=False)
     except AssertionError as err:
         raise AssertionError(f"{err} ({OWNED_ONLY})") from None
     again, problem = zero.owners(second.traffic, updated)

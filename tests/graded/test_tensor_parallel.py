@@ -54,14 +54,19 @@ from grader.testkit.tensor_parallel import (
     IN,
     OUT,
     SHAPE,
+    LayerRun,
+    RegionRun,
     call,
     expect,
     full_run,
     mlp_call,
+    mlp_runs,
+    observed,
     output_of,
     partial_sums,
     phase_events,
     phase_operations,
+    raised,
     region_definition,
     shared,
     weights,
@@ -88,11 +93,12 @@ def test_column_parallel_linear(world: World, setting: str) -> None:
     )
     args = [(weight, bias, x, grad[outs[r]].clone(), gather) for r in range(p)]
     out = call(world, "column_forward_backward", args, setting)
+    runs = observed(out.returned, LayerRun.read, "column_forward_backward", setting)
     fix = "copy_to_parallel_region must all-reduce the input's gradient in backward"
 
     def check(r: int) -> None:
-        seen, rows = out.returned[r], block(p, r, OUT)
-        check_still_holds(seen, full, "ColumnParallelLinear", p, r)
+        seen, rows = runs[r], block(p, r, OUT)
+        check_still_holds(seen.held, full, "ColumnParallelLinear", p, r)
         check_shape(output_of(seen, what), shape, what, why)
         expect(output_of(seen, what), run["output"], outs[r], f"{what}: output", IN + 1)
         why_grad = {
@@ -103,11 +109,9 @@ def test_column_parallel_linear(world: World, setting: str) -> None:
                 run["input"][0] / p
             ),
         }
-        expect(
-            seen["input_grad"], run["input"], ALL, f"{what}: the input's gradient", OUT, why_grad
-        )
-        expect(seen["weight_grad"], run["weight"], rows, f"{what}: weight gradient", 6)
-        expect(seen["bias_grad"], run["bias"], rows, f"{what}: bias gradient", 6)
+        expect(seen.input_grad, run["input"], ALL, f"{what}: the input's gradient", OUT, why_grad)
+        expect(seen.weight_grad, run["weight"], rows, f"{what}: weight gradient", 6)
+        expect(seen.bias_grad, run["bias"], rows, f"{what}: bias gradient", 6)
 
     on_every_rank(p, check)
 
@@ -129,11 +133,12 @@ def test_row_parallel_linear(world: World, setting: str) -> None:
     xs = [(x_full[..., cols[r]] if parallel else x_full).clone() for r in range(p)]
     args = [(weight, bias, xs[r], grad, parallel) for r in range(p)]
     out = call(world, "row_forward_backward", args, setting)
+    runs = observed(out.returned, LayerRun.read, "row_forward_backward", setting)
     w64, b64, x64 = weight.double(), bias.double(), x_full.double()
 
     def check(r: int) -> None:
-        seen, mine = out.returned[r], cols[r]
-        check_still_holds(seen, full, "RowParallelLinear", p, r)
+        seen, mine = runs[r], cols[r]
+        check_still_holds(seen.held, full, "RowParallelLinear", p, r)
         check_shape(output_of(seen, what), (*SHAPE, OUT), what, reduced)
         why = {
             "the bias is added on every rank before the reduction: the output is off by (p-1) x "
@@ -155,9 +160,9 @@ def test_row_parallel_linear(world: World, setting: str) -> None:
             * run["input"][0],
         }
         index = (..., mine if parallel else ALL)
-        expect(seen["input_grad"], run["input"], index, f"{what}: the input's gradient", OUT, why)
-        expect(seen["weight_grad"], run["weight"], (ALL, mine), f"{what}: weight gradient", 6)
-        expect(seen["bias_grad"], run["bias"], ALL, f"{what}: bias gradient", 6)
+        expect(seen.input_grad, run["input"], index, f"{what}: the input's gradient", OUT, why)
+        expect(seen.weight_grad, run["weight"], (ALL, mine), f"{what}: weight gradient", 6)
+        expect(seen.bias_grad, run["bias"], ALL, f"{what}: bias gradient", 6)
 
     on_every_rank(p, check)
 
@@ -188,14 +193,15 @@ def test_region_function(world: World, function: str) -> None:
     grads = [rank_tensor(function + "/grad", r, shape, torch.float32) for r in range(p)]
     args = [(function, xs[r], grads[r]) for r in range(p)]
     out = call(world, "region_forward_backward", args, function)
+    runs = observed(out.returned, RegionRun.read, "region_forward_backward", function)
 
     def check(r: int) -> None:
-        seen = out.returned[r]
+        seen = runs[r]
         check_unchanged(out.args[r][1], xs[r], f"{what}: its input x")
         y_want, y_why, g_want, g_why = region_definition(function, xs, grads, r, n)
         check_shape(output_of(seen, what), tuple(y_want[0].shape), what, SHAPES[function](p, n))
         expect(output_of(seen, what), y_want, ALL, f"{what}, forward: output", p, y_why)
-        got = seen["input_grad"]
+        got = seen.input_grad
         expect(got, g_want, ALL, f"{what}, backward: the input's gradient", p, g_why)
 
     on_every_rank(p, check)
@@ -205,6 +211,7 @@ def test_region_function(world: World, function: str) -> None:
 def test_parallel_mlp(world: World) -> None:
     p, what = world.size, f"ParallelMLP on {world.size} ranks"
     full, x32, grad32, out = mlp_call(world)
+    runs = mlp_runs(out)
     w1, b1, w2, b2 = (full[k].double() for k in ("w1", "b1", "w2", "b2"))
     x, grad = x32.double(), grad32.double()
     a, b, x_ref = linear(w1, b1), linear(w2, b2), x.clone().requires_grad_()
@@ -231,10 +238,10 @@ def test_parallel_mlp(world: World) -> None:
     )
 
     def check(r: int) -> None:
-        seen, rows = out.returned[r], block(p, r, FFN)
-        for found, cls, role in (("has_column", "Column", "fc1"), ("has_row", "Row", "fc2")):
+        seen, rows = runs[r], block(p, r, FFN)
+        for found, cls, role in ((seen.has_column, "Column", "fc1"), (seen.has_row, "Row", "fc2")):
             kind = f"{cls}ParallelLinear (its {role}, {cls.lower()} parallel)"
-            require(seen[found], f"ParallelMLP.from_linears: the MLP holds no {kind}")
+            require(found, f"ParallelMLP.from_linears: the MLP holds no {kind}")
         y = output_of(seen, what)
         expect(y, (y_want.detach().float(), magnitude), ALL, f"{what}: output", terms, explanations)
         x_mine = x.clone().requires_grad_()  # what this rank's shards alone give the input
@@ -245,11 +252,11 @@ def test_parallel_mlp(world: World) -> None:
             "this rank's partial sum only: it must be all-reduced": partial,
         }
         pair = (x_ref.grad.float(), m_gh @ w1.abs())
-        expect(seen["input_grad"], pair, ALL, f"{what}: the input's gradient", terms, why)
+        expect(seen.input_grad, pair, ALL, f"{what}: the input's gradient", terms, why)
         for name, (want, mag), split in layers:
             index = {"rows": rows, "cols": (ALL, rows), "all": ALL}[split]
             pair, why = (want.float(), mag), {twice: p * want}
-            expect(seen[name], pair, index, f"{what}: {name} gradient", terms, why)
+            expect(seen.grads[name], pair, index, f"{what}: {name} gradient", terms, why)
 
     on_every_rank(p, check)
 
@@ -315,8 +322,10 @@ def test_indivisible_dimension(world: World, layer: str) -> None:
             scenario="tensor_parallel.construct", args=[(layer, how, sizes)] * p, case=name
         )
 
-        def check(r: int, raised: list[str | None] = out.returned, name: str = name) -> None:
-            err = raised[r]
+        errors = observed(out.returned, raised, "construct", name)
+
+        def check(r: int, errors: list[str | None] = errors, name: str = name) -> None:
+            err = errors[r]
             if err is None:
                 require(
                     p == 1,

@@ -189,3 +189,22 @@ def test_a_microbatch_backpropagated_twice_is_named(grade) -> None:
     for name in SCHEDULES:
         message = graded.message(name, 2)
         assert "sent microbatch 0's gradient back at 2x the scale of its other" in message
+
+
+def test_a_forged_observation_earns_nothing(grade) -> None:
+    """The scenario's result rewritten in the rank's process (a string where the stage's
+    gradients are due): every gradients test fails in one line naming the malformed return,
+    never a KeyError or AttributeError of the grader's; the schedules, judged on the broker's
+    record alone, pass."""
+    graded = grade("pp_forged_observation", PART, world_sizes=(2,))
+    said = (
+        "rank 0: pipeline_parallel.step returned a malformed observation: grads holds a str "
+        "where a dict is due (the same on rank 1)"
+    )
+    for (name, size), outcome in graded.outcomes().items():
+        assert outcome == ("error" if name in GRADIENTS else "passed"), (name, size)
+    for name in GRADIENTS:
+        test = graded.test(name, 2)
+        assert test["score"] == 0 and test["extra_data"]["cause"] == "protocol"
+        assert graded.message(name, 2).startswith(said), graded.message(name, 2)
+        assert "\n" not in test["output"].strip() and "Error" not in test["output"]

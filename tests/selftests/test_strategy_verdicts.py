@@ -385,3 +385,49 @@ def test_decoy_all_reduces_of_the_right_size_earn_no_overlap_points(grade) -> No
         "its all-reduces carried 288 values, but not the 288 local gradients"
         in (graded.test("overlap[one_bucket]", 2, DP)["output"])
     )
+
+
+def forged_observations_fail(graded: Graded, part: str, said: dict[str, str]) -> None:
+    """Every test of ``said`` fails in one line naming its malformed return, charged to the
+    submission as a protocol fault; every other test of the part passes."""
+    assert_only_these_fail(graded, part, list(said), outcome="error")
+    for name, message in said.items():
+        test = graded.test(name, 2, part)
+        assert test["score"] == 0 and test["extra_data"]["cause"] == "protocol", test
+        assert test["output"].startswith(message), (name, test["output"])
+        assert "\n" not in test["output"].strip() and "Error" not in test["output"]
+
+
+def test_a_forged_dp_observation_earns_nothing(grade) -> None:
+    """The scenarios' results rewritten in the rank's process (a string where a gradient, an
+    iteration's gradients or the kept parameters are due): every test fails in one line naming
+    the malformed return, never a KeyError or TypeError of the grader's."""
+    graded = grade("dp_forged_observation", DP, world_sizes=(2,))
+    train = "rank 0: data_parallel.train returned a malformed observation: grads[0] holds a str"
+    overlap = "rank 0: data_parallel.overlap returned a malformed observation: grads[0] holds a str"
+    sharded = "rank 0: data_parallel.sharded returned a malformed observation: kept[1] holds a str"
+    said = dict.fromkeys(TRAINING + UNUSED, train) | dict.fromkeys(OVERLAP, overlap)
+    said |= dict.fromkeys([*SHARDED, *FIRST, "sharded_optimizer_state"], sharded)
+    forged_observations_fail(graded, DP, said)
+
+
+def test_a_forged_tp_observation_earns_nothing(grade) -> None:
+    """No output, a number for its type, a string for a bool, a number for a ValueError's
+    message: each test that reads them fails in one line; the row parallel layer (its
+    scenario left alone) and the MLP's communication (the broker's record) pass."""
+    graded = grade("tp_forged_observation", TP, world_sizes=(2,))
+    malformed = "rank 0: tensor_parallel.{} returned a malformed observation: {}"
+    said = {
+        f"column_parallel_linear[gather_output={v}]": malformed.format(
+            "column_forward_backward", "lacks output"
+        )
+        for v in (False, True)
+    }
+    for f in ("copy_to", "reduce_from", "gather_from", "scatter_to"):
+        region = malformed.format("region_forward_backward", "output_type holds a int")
+        said[f"region_function[{f}_parallel_region]"] = region
+    said["parallel_mlp"] = malformed.format("mlp_forward_backward", "has_column holds a str")
+    for layer in ("ColumnParallelLinear", "RowParallelLinear"):
+        construct = malformed.format("construct", "what it raised holds a int")
+        said[f"indivisible_dimension[{layer}]"] = construct
+    forged_observations_fail(graded, TP, said)
