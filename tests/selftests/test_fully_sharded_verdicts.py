@@ -175,6 +175,19 @@ def test_forged_layer_marks_do_not_place_the_gathers(grade) -> None:
     failed_because(graded, "communication[float32]", "prefetch at most two layers ahead")
 
 
+def test_a_replica_broadcast_from_rank_0_earns_no_correctness_point(grade) -> None:
+    """The reference, its module made rank 0's by broadcasts before sharding: each rank is
+    handed the model's values in its own shards only, so rank 1 keeps a shard of rank 0's
+    values that are not the model's, trains on them, and earns nothing; its first step's
+    gathers carry that shard, not the model's."""
+    graded = grade("fsdp_replica_from_rank0", PART, world_sizes=(2,))
+    for name in NAMES:
+        assert graded.test(name, 2)["score"] == 0, (name, graded.message(name, 2))
+    failed_because(graded, "training[sgd-float32]", "differs from one-process training")
+    failed_because(graded, "gradient_shards[float32]", "off the mean gradient")
+    failed_because(graded, "memory_at_rest[float32]", "does not carry this rank's shard of it")
+
+
 def honest_observation() -> dict[str, Any]:
     """What an unpatched scenario returns, in the form the wire decodes it to."""
     shapes = {name: [n] for name, n in NUMEL.items()}
