@@ -23,12 +23,12 @@ from torch import Tensor, nn
 class FullyShardedDataParallel(nn.Module):
     """Keeps only 1/p of every sharded parameter on each rank; gathers a layer just in time.
 
-    Sharding: the parameters of every module that is an instance of `shard_types` (a
-    Linear's weight and bias) are flattened, zero-padded at the end to p*s elements
-    (s = ceil(n/p)), and rank r keeps elements [r*s, (r+1)*s): between steps the same
-    `nn.Parameter`'s `.data` is that float32 shard, shape `(s,)`. Other parameters (norms) are
-    replicated. `self.module` is `module`, its submodules and parameters kept (hooked, never
-    replaced); every rank passes the same `module`.
+    Sharding: every parameter of a `shard_types` module (a Linear's weight and bias) is flattened
+    and zero-padded at the end to p*s elements (s = ceil(n/p)); rank r keeps elements
+    [r*s, (r+1)*s): between steps the same `nn.Parameter`'s `.data` is that float32 shard, shape
+    `(s,)`. Others (norms) are replicated. `self.module` is `module`, hooked, never replaced. Only
+    rank r's shard of each sharded parameter of the `module` it is given holds the model's values;
+    the rest must not be read (a wrapper that broadcasts the module from one rank breaks).
 
     Forward returns what `module` would with full weights, differentiably. A layer's full
     parameters are all-gathered just before it runs (at most two layers ahead) and freed right
@@ -54,7 +54,7 @@ class FullyShardedDataParallel(nn.Module):
     parallelism on the same split that adds the ranks' sums in the same order.
 
     Hints
-        Usage, on every rank (each rank builds the very same `module`: nothing is broadcast)::
+        Usage, on every rank (each its own `module`, right in its own shards: no broadcast)::
 
             model = FullyShardedDataParallel(net, compute_dtype=torch.bfloat16)
             optimizer = torch.optim.AdamW(model.parameters())  # steps on the float32 shards

@@ -113,7 +113,7 @@ def _shard(tensor: Tensor, rank: int, world_size: int) -> Tensor:
 class FullyShardedDataParallel(nn.Module):
     """Shards every parameter of the `shard_types` modules of `module` across the ranks.
 
-    Usage, on every rank (the same `module` everywhere: nothing is broadcast)::
+    Usage, on every rank (each its own `module`, right in its own shards: no broadcast)::
 
         model = FullyShardedDataParallel(net, compute_dtype=torch.bfloat16)
         optimizer = torch.optim.AdamW(model.parameters())  # the float32 shards

@@ -1,9 +1,11 @@
 """Rank-side scenario of the fully_sharded part: wrap a small model, train it, report back.
 
-The trusted side makes the model's initial state and every rank's batch; the scenario builds
-the same model on every rank, wraps it in the submission's ``FullyShardedDataParallel``, trains
-it a few steps and returns what it saw: the gradients after each synchronization, the shapes
-of the parameters between steps, the gathered parameters at the end.
+The trusted side makes the model's initial state and every rank's batch, and hands each rank
+the model's values only in its own shard of each sharded parameter (values drawn for it
+elsewhere); the scenario builds that module, wraps it in the submission's
+``FullyShardedDataParallel``, trains it a few steps and returns what it saw: the gradients
+after each synchronization, the shapes of the parameters between steps, the gathered
+parameters at the end.
 
 What the steps need comes only through the test's gates (:func:`gate`), so that the broker's
 record shows where the rank's code really was: each step's tokens where the embedding starts

@@ -119,11 +119,12 @@ class Values:
     tolerance: float
 
 
-def values_before(step: int, dtype: str, tolerance: float) -> Values:
-    """The parameters step ``step`` starts from, with plain SGD (the tests of the record's)."""
+def values_before(step: int, dtype: str, tolerance: float, p: int) -> Values:
+    """The parameters step ``step`` starts from at world size ``p``, with plain SGD (the tests
+    of the record's)."""
     if step == 1:
-        return Values(1, initial_state(), 0.0)
-    return Values(step, expected("sgd", dtype)["before"][step - 1], tolerance)
+        return Values(1, initial_state(p), 0.0)
+    return Values(step, expected("sgd", dtype, p)["before"][step - 1], tolerance)
 
 
 def scatter_problem(e: Event, p: int, local: dict[str, Tensor], tol: float) -> str | None:
@@ -157,7 +158,8 @@ def check_record(
     Returns the first step's gathers."""
     first: dict[str, Any] = {}
     for number in range(1, STEPS + 1):
-        step, values = step_of(out.traffic, r, number), values_before(number, dtype, tolerance)
+        step = step_of(out.traffic, r, number)
+        values = values_before(number, dtype, tolerance, p)
         try:
             found = check_step(step, values, p, r, dtype, kind)
         except AssertionError as err:

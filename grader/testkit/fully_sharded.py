@@ -1,8 +1,9 @@
 """The trusted side of the fully_sharded graded tests (``tests/graded/test_fully_sharded.py``).
 
-The model's initial state and batch from the secret seed, the shard arithmetic of FSDP's
-flat, padded layout (``ceil(numel/p)`` elements a rank), the one-process oracle with the
-compute dtype's casts where FSDP makes them (cached per optimizer and dtype), the relative
+The model's initial state and batch from the secret seed (each rank handed the state only
+in its own shards, :func:`rank_state`), the shard arithmetic of FSDP's flat, padded layout
+(``ceil(numel/p)`` elements a rank), the one-process oracle with the compute dtype's casts
+where FSDP makes them (cached per optimizer, dtype and world size), the relative
 error and uniform factor of a result, the gates that hand each step what it needs, and the
 reading of the broker's record of every step: its events between ranks by phase and layer
 (placed by the gates, never by a mark), the parameter each all-gather carries a shard of
@@ -10,8 +11,8 @@ reading of the broker's record of every step: its events between ranks by phase 
 first step, the one-process training's after it), what each reduce-scatter carries against
 the rank's local gradients at that step, the rules of the order and size of the gathers, and
 what each rank's scenario returned, read into one checked record (:class:`Observed`).
-A later step needs the other ranks' updated shards: a rank that gathers honestly in the
-first step only (every rank has the initial weights) is judged on the others too.
+No rank holds the whole model: the first step needs the other ranks' initial shards, a
+later step their updated ones, and every step is judged.
 """
 
 from __future__ import annotations
@@ -62,14 +63,36 @@ REPLICATED = [n for n in NUMEL if n not in SHARDED_PARAMS]
 del _MODEL
 
 
-def initial_state() -> dict[str, Tensor]:
-    """The model's initial values, from the secret seed, at nn.Module's usual scales."""
-    gen = generator("fully_sharded/state")
+def _drawn(gen: torch.Generator) -> dict[str, Tensor]:
+    """A value for every parameter from ``gen``, at nn.Module's usual scales."""
     state = {}
     for name, shape in SHAPES.items():
         scale = 1.0 if name.startswith(("embed", "norm")) else shape[-1] ** -0.5
         base = 1.0 if name.startswith("norm") else 0.0
         state[name] = base + scale * torch.randn(shape, generator=gen) * (0.2 if base else 1)
+    return state
+
+
+def initial_state(p: int) -> dict[str, Tensor]:
+    """The model's initial values at world size ``p``, from the secret seed: drawn afresh for
+    each world size, so what a rank is handed at one (all of it, at p = 1) is of no use at
+    another."""
+    return _drawn(generator(f"fully_sharded/state/p{p}"))
+
+
+def rank_state(p: int, r: int) -> dict[str, Tensor]:
+    """The initial state as rank ``r`` is handed it: each sharded parameter holds the model's
+    values only in the rank's flat shard ``[r*s, (r+1)*s)``, and elsewhere values drawn for
+    this rank from the secret seed at the same scale; replicated parameters whole. The rest
+    of the model reaches the rank only from the other ranks, through the broker."""
+    state = initial_state(p)
+    if p == 1:
+        return state
+    others = _drawn(generator(f"fully_sharded/others/p{p}", r))
+    for name in SHARDED_PARAMS:
+        s, flat = shard_size(name, p), others[name].reshape(-1)
+        flat[r * s : (r + 1) * s] = state[name].reshape(-1)[r * s : (r + 1) * s]
+        state[name] = flat.view(SHAPES[name])
     return state
 
 
@@ -138,9 +161,10 @@ class _Cast(nn.Module):
         return weight.to(self.dtype)
 
 
-def _model(dtype: str) -> nn.Module:
-    """The model at its initial state, cast where FSDP casts to ``dtype``, with the factors."""
-    net = build(initial_state())
+def _model(dtype: str, p: int) -> nn.Module:
+    """The model at its initial state at world size ``p``, cast where FSDP casts to ``dtype``,
+    with the factors."""
+    net = build(initial_state(p))
     compute = DTYPES[dtype]
     if compute is not None:
         for name in SHARDED:
@@ -158,10 +182,10 @@ def _model(dtype: str) -> nn.Module:
     return net
 
 
-def oracle(optimizer_name: str, dtype: str) -> dict[str, Any]:
-    """One process, the whole batch: the parameters before each step, the gradients at each
-    step and the final parameters."""
-    net = _model(dtype)
+def oracle(optimizer_name: str, dtype: str, p: int) -> dict[str, Any]:
+    """One process, the whole batch, from world size ``p``'s initial state: the parameters
+    before each step, the gradients at each step and the final parameters."""
+    net = _model(dtype, p)
     params = dict(_plain_names(net))
     opt = optimizer(optimizer_name, list(params.values()))
     for group in opt.param_groups:
@@ -183,8 +207,8 @@ def local_grads(
 ) -> dict[str, Tensor]:
     """Rank ``r``'s own gradients in step ``step``: the loss on its rows alone, at the
     parameters that the one-process training with ``optimizer_name`` has before that step."""
-    net = _model(dtype)
-    values = expected(optimizer_name, dtype)["before"][step - 1]
+    net = _model(dtype, p)
+    values = expected(optimizer_name, dtype, p)["before"][step - 1]
     with torch.no_grad():
         for name, param in _plain_names(net):
             param.copy_(values[name])
@@ -201,12 +225,12 @@ def _plain_names(net: nn.Module) -> list[tuple[str, nn.Parameter]]:
     return out
 
 
-_ORACLES: dict[tuple[str, str], dict[str, Any]] = {}
+_ORACLES: dict[tuple[str, str, int], dict[str, Any]] = {}
 
 
-def expected(optimizer_name: str, dtype: str) -> dict[str, Any]:
-    """:func:`oracle`, computed once per optimizer and dtype."""
-    key = (optimizer_name, dtype)
+def expected(optimizer_name: str, dtype: str, p: int) -> dict[str, Any]:
+    """:func:`oracle`, computed once per optimizer, dtype and world size."""
+    key = (optimizer_name, dtype, p)
     if key not in _ORACLES:
         _ORACLES[key] = oracle(*key)
     return _ORACLES[key]

@@ -1,15 +1,18 @@
 """Graded tests of ``FullyShardedDataParallel`` (ZeRO-3 / FSDP) in ``assignments/fully_sharded.py``.
 
-The ranks run :func:`grader.scenarios.fully_sharded.train`: the same small model (an Embedding,
-two norms, three Linear layers; no parameter size divides by every p, so the padding matters)
-is built on every rank from a state made here, wrapped, and trained 3 steps on the rank's slice
-of the batch, which it gets only through the broker's gates (the tokens as the embedding starts,
-a factor on each later sharded layer's input as it starts, the targets at the loss, the learning
-rate at the optimizer's step): the gates place every all-gather and reduce-scatter of every
-step, and no mark is read; only collectives of every rank count (one of a group of one never
-left its rank), and every step is judged, the later ones against the shards and gradients of
-the one-process training (a step needs the other ranks' updated shards). The oracle is the
-very same module trained here on one process on the whole batch, with the compute dtype's
+The ranks run :func:`grader.scenarios.fully_sharded.train`: a small model (an Embedding, two
+norms, three Linear layers; no parameter size divides by every p, so the padding matters) is
+built on every rank from a state made here, whose sharded parameters hold the model's values
+only in the rank's own shard (the rest drawn for the rank alone: the model reaches it only
+from the other ranks, :func:`~grader.testkit.fully_sharded.rank_state`), wrapped, and trained
+3 steps on the rank's slice of the batch, which it gets only through the broker's gates (the
+tokens as the embedding starts, a factor on each later sharded layer's input as it starts, the
+targets at the loss, the learning rate at the optimizer's step): the gates place every
+all-gather and reduce-scatter of every step, and no mark is read; only collectives of every
+rank count (one of a group of one never left its rank), and every step is judged, the later
+ones against the shards and gradients of the one-process training (a step needs the other
+ranks' updated shards). The oracle is the same module, from the whole initial state, trained
+here on one process on the whole batch, with the compute dtype's
 casts where FSDP makes them (weights and the sharded layers' floating inputs cast to it, the
 loss in float32) and the same factors.
 
@@ -71,11 +74,11 @@ from grader.testkit.fully_sharded import (
     STEPS,
     expected,
     gates,
-    initial_state,
     local_grads,
     mean_factor,
     observations,
     padded_shard,
+    rank_state,
     shard_size,
     within,
 )
@@ -94,10 +97,10 @@ HOLD_MOMENTS = ("forward", "synchronized", "rest")
 
 
 def train_call(world: World, optimizer_name: str, dtype: str, case: str) -> CallResult:
-    """Every rank trains its rows; its tokens, targets, factors and learning rate come through
-    its gates."""
-    p, state = world.size, initial_state()
-    args = [(state, ROWS // p, optimizer_name, dtype, STEPS) for _ in range(p)]
+    """Every rank trains its rows from its shard of the initial state; its tokens, targets,
+    factors and learning rate come through its gates."""
+    p = world.size
+    args = [(rank_state(p, r), ROWS // p, optimizer_name, dtype, STEPS) for r in range(p)]
     return world.call(
         scenario="fully_sharded.train",
         args=args,
@@ -125,7 +128,7 @@ def test_training(world: World, options: TestOptions, record: TestRecord, case: 
     p, (opt, dtype) = world.size, case.split("-")
     seen = observations(train_call(world, opt, dtype, case).returned, case)
     tol = options.tolerance_for(dtype)
-    want = expected(opt, dtype)["full"]
+    want = expected(opt, dtype, p)["full"]
     what = f"{STEPS} steps of {opt} with compute_dtype={dtype} on {p} ranks"
 
     def check(r: int) -> None:
@@ -161,7 +164,7 @@ def test_gradient_shards(world: World, options: TestOptions, dtype: str) -> None
     case = f"sgd-{dtype}"
     observed = observations(train_call(world, "sgd", dtype, case).returned, case)
     tol = options.tolerance_for(dtype)
-    grads = expected("sgd", dtype)["grads"]
+    grads = expected("sgd", dtype, p)["grads"]
     what = f"compute_dtype={dtype} on {p} ranks"
 
     def check(r: int) -> None:

