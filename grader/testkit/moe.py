@@ -9,6 +9,8 @@ rank keeps for each expert, from which the communication test derives the exact 
 (``tests/graded/test_expert_parallel.py``). Routing is built in, not left to chance: token
 i of rank r is moved until it prefers the (i + r)-th expert still in play (expert 0 is
 starved where k < E), so every rank's experts get rows from several ranks whatever the seed.
+What a rank's scenario returned is read into one checked record
+(:class:`grader.testkit.moe_observed.Observed`).
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ the submission in one line, never a KeyError in the graded test.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any, TypeVar
 
 from torch import Tensor
@@ -92,3 +92,43 @@ def read_shape(value: Any) -> tuple[int, ...]:
 def kind(value: Any) -> str:
     """The type of a decoded value, for a message (a wire type's name: never the rank's text)."""
     return type(value).__name__
+
+
+def read_fields(tree: Any, fields: Mapping[str, Callable[[Any], Any]]) -> dict[str, Any]:
+    """``tree``, a dict of exactly the keys of ``fields``, each value through its reader
+    (which raises ValueError on a value of another kind, or ProtocolError); ProtocolError
+    otherwise."""
+    if not isinstance(tree, dict):
+        raise ProtocolError(f"a {kind(tree)}, not a dict of {', '.join(fields)}")
+    if problem := keys_problem(tree, fields, "fields"):
+        raise ProtocolError(problem)
+    out = {}
+    for name, read in fields.items():
+        try:
+            out[name] = read(tree[name])
+        except ValueError as err:
+            raise ProtocolError(f"{name} holds {err}") from None
+    return out
+
+
+def read_by_name(value: Any, read: Callable[[Any], T]) -> dict[str, T]:
+    """A dict of any names (the test says which it lacks), each value through ``read``;
+    ValueError otherwise."""
+    if not isinstance(value, dict):
+        raise ValueError(f"a {kind(value)} where a dict is due")
+    return {name: read(v) for name, v in value.items()}
+
+
+def read_bool(value: Any) -> bool:
+    """``value`` if a bool; ValueError otherwise."""
+    if not isinstance(value, bool):
+        raise ValueError(f"a {kind(value)} where a bool is due")
+    return value
+
+
+def read_type_name(value: Any) -> str:
+    """The name of the type a student's function returned, as the scenario reports it (an
+    identifier, which a message may quote); ValueError otherwise."""
+    if not isinstance(value, str) or not value.isidentifier() or len(value) > 64:
+        raise ValueError(f"a {kind(value)} where a type's name is due")
+    return value
