@@ -43,6 +43,7 @@ from grader.testkit import (
     TestRecord,
     World,
     check_close,
+    failures,
     on_every_rank,
     rank_tensor,
     require,
@@ -57,6 +58,7 @@ from grader.testkit.moe import (
     draw_layer,
     draw_tokens,
     messages_problem,
+    no_rows_hint,
     oracle,
     rank_major_taken_as_expert_major,
     rows_carried,
@@ -92,8 +94,14 @@ def run_case(world: World, case: Case) -> tuple[CallResult, list[Observed], Orac
         for r in range(case.p)
     ]
     name = f"E={case.num_experts}, top-{case.top_k}, capacity_factor={case.capacity_factor}"
-    out = world.call(scenario="expert_parallel.forward_backward", args=args, case=name)
     want = oracle(case, state, xs, gs)
+    try:
+        out = world.call(scenario="expert_parallel.forward_backward", args=args, case=name)
+    except failures.CommunicationError as err:
+        hint = no_rows_hint(case, want.kept)
+        if err.cause is not failures.Cause.DISAGREEMENT or not hint:
+            raise
+        raise err.with_hint(hint) from err
     return out, observations(out.returned, name), want
 
 

@@ -327,3 +327,21 @@ def test_a_forged_observation_earns_nothing(grade) -> None:
     assert failed == set(ALL)
     for name in ALL:
         assert_earns_nothing(graded.test(name, 2), said)
+
+
+def test_a_rank_with_no_rows_that_skips_its_backward_all_to_all_is_told_why(grade) -> None:
+    """With top-1 of E = p experts expert 0 gets no token, so rank 0 receives no rows; its
+    backward skips the all-to-all the others post, and the broker sees the ranks disagree:
+    the verdict stands, and the message says why."""
+    graded = grade("ep_no_rows_skips_backward", PART, k="moe_top1", world_sizes=(2,))
+    test = graded.test("moe_top1[E=p]", 2)
+    message = test["output"]
+    assert test["extra_data"]["outcome"] == "error" and test["score"] == 0
+    assert test["extra_data"]["cause"] == "disagreement"
+    assert message.startswith("the ranks disagree on a collective: rank 0 calls all_reduce of ")
+    assert "while rank 1 calls all_to_all of " in message
+    assert "in this case rank 0 receives no rows for its experts: " in message
+    assert "every rank must take part in every all-to-all, forward and backward, " in message
+    assert "even with zero-sized splits" in message
+    # Every rank has rows both ways with E = 2p: the same layer passes.
+    assert graded.outcome("moe_top1[E=2p]", 2) == "passed"
