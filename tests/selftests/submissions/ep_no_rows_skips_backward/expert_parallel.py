@@ -19,7 +19,7 @@ class _SkippingAllToAll(_reference._AllToAll):
 
     @staticmethod
     def backward(ctx, grad):
-        send_splits, recv_splits = ctx.splits
+        _, recv_splits = ctx.splits
         if not any(recv_splits):  # the bug: nothing arrived, so nothing to send back
             return torch.zeros(ctx.shape, dtype=grad.dtype), None, None, None
         return _reference._AllToAll.backward(ctx, grad)
