@@ -27,10 +27,14 @@ def attention(
     leaves = [t.requires_grad_() for t in (q, k, v)]
     out = getattr(student, function)(*leaves, causal)
     grad = gate("backward").to(q.dtype).view(q.shape)
-    seen: dict[str, Any] = {"output_type": type(out).__name__, "output": None}
+    seen: dict[str, Any] = {
+        "output_type": type(out).__name__,
+        "output": None,
+        "differentiable": False,  # no grad_fn: the test says which call
+    }
     if isinstance(out, Tensor):
         seen["output"] = out.detach().clone()  # before backward: nothing may change it later
-        seen["differentiable"] = out.requires_grad  # no grad_fn: the test says which call
+        seen["differentiable"] = out.requires_grad
         if out.requires_grad:
             out.backward(grad)
     seen.update(dq=q.grad, dk=k.grad, dv=v.grad)

@@ -6,8 +6,8 @@ copy, which the trusted side also runs as its one-process oracle) and sends its 
 every rank, with the rank's own tokens and the upstream gradient of their outputs. The
 scenario builds the layer, wraps it in the submission's ``ExpertParallelMoE``, runs one
 forward, one backward and ``finish_gradient_synchronization()``, and sends back the output,
-the tokens' gradient and the gradients of the router and of this rank's experts. It holds
-no expected value.
+the tokens' gradient and the gradients of the layer's parameters (None where there is
+none: no backward ran where the output is not a tensor). It holds no expected value.
 """
 
 from __future__ import annotations
@@ -95,13 +95,12 @@ def forward_backward(
         identity_experts(moe)
     layer = student.ExpertParallelMoE(moe, capacity_factor=capacity_factor)
     y = layer(x.requires_grad_())
-    seen: dict[str, Any] = {"output_type": type(y).__name__}
-    if not isinstance(y, Tensor):
-        return seen
-    seen["output"] = y.detach().clone()  # before backward: nothing may change it later
-    if y.requires_grad:
-        y.backward(grad)
-    layer.finish_gradient_synchronization()
+    seen: dict[str, Any] = {"output_type": type(y).__name__, "output": None}
+    if isinstance(y, Tensor):
+        seen["output"] = y.detach().clone()  # before backward: nothing may change it later
+        if y.requires_grad:
+            y.backward(grad)
+        layer.finish_gradient_synchronization()
     seen["input_grad"] = x.grad
     seen["grads"] = {name: param.grad for name, param in moe.named_parameters()}
     return seen

@@ -4,16 +4,27 @@
 for dq, dk and dv, and gives each result's rounding magnitude: the sum of the absolute
 values of the terms behind every element, which :func:`grader.testkit.check_close` scales
 its tolerance with. ``allowed`` replaces the causal mask to model a wrong one (a mistake's
-result, for the explanations).
+result, for the explanations). :class:`Observed` is what a rank's scenario returned, read
+into one checked record.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
+
+from grader.testkit.observed import (
+    read_bool,
+    read_every_rank,
+    read_record,
+    read_tensor_or_none,
+    read_type_name,
+)
 
 
 @dataclass(frozen=True)
@@ -70,3 +81,33 @@ def attention(
     terms = s + d + d * math.ceil(max_score)
     row_max = scores.detach().amax(dim=-1, keepdim=True)
     return Attention(out.detach(), q.grad, k.grad, v.grad, magnitudes, terms, max_score, row_max)
+
+
+@dataclass(frozen=True)
+class Observed:
+    """What a rank's :func:`grader.scenarios.context_parallel.attention` saw, read and checked
+    here: the output (None: the function returned an ``output_type``), whether it had a
+    grad_fn, and the gradients (None: no ``.grad``)."""
+
+    output_type: str
+    output: Tensor | None
+    differentiable: bool
+    dq: Tensor | None
+    dk: Tensor | None
+    dv: Tensor | None
+
+    def result(self, name: str) -> Tensor | None:
+        return {"output": self.output, "dq": self.dq, "dk": self.dk, "dv": self.dv}[name]
+
+    @classmethod
+    def read(cls, tree: Any) -> Observed:
+        """The record of ``tree``, a rank's return; ProtocolError unless it has exactly this
+        structure."""
+        tensors = {name: read_tensor_or_none for name in ("output", "dq", "dk", "dv")}
+        fields = {"output_type": read_type_name, "differentiable": read_bool, **tensors}
+        return cls(**read_record(tree, fields))
+
+
+def observations(returned: Sequence[Any], case: str) -> list[Observed]:
+    """Every rank's :class:`Observed` (:func:`~grader.testkit.observed.read_every_rank`)."""
+    return read_every_rank(returned, Observed.read, "context_parallel.attention", case)

@@ -9,6 +9,8 @@ rank keeps for each expert, from which the communication test derives the exact 
 (``tests/graded/test_expert_parallel.py``). Routing is built in, not left to chance: token
 i of rank r is moved until it prefers the (i + r)-th expert still in play (expert 0 is
 starved where k < E), so every rank's experts get rows from several ranks whatever the seed.
+What a rank's scenario returned is read into one checked record
+(:class:`grader.testkit.moe_observed.Observed`).
 """
 
 from __future__ import annotations
@@ -348,3 +350,24 @@ def _first_pairs(expert: Tensor, kept: Tensor) -> Tensor:
     counts = torch.bincount(expert, minlength=len(kept))
     place = torch.arange(len(order)) - (counts.cumsum(0) - counts)[expert[order]]
     return order[place < kept[expert[order]]]
+
+
+def no_rows_hint(case: Case, kept: Tensor) -> str:
+    """Why ranks may disagree on a collective in this case: a rank with no rows for one of
+    its all-to-alls (``kept``: the case's kept pairs), which it must take part in all the
+    same ("" where every rank has rows both ways)."""
+    n, idle = case.num_experts // case.p, {}
+    for r in range(case.p):
+        if not kept[:, n * r : n * (r + 1)].any():
+            idle[r] = "receives no rows for its experts"
+        elif not kept[r].any():
+            idle[r] = "sends no rows"
+    if case.p == 1 or not idle:
+        return ""
+    rank, what = min(idle.items())
+    return (
+        f"in this case rank {rank} {what}: a rank that skips an all-to-all the others post (in "
+        "its backward, say, because no rows arrived) meets them with its next collective "
+        "instead; every rank must take part in every all-to-all, forward and backward, even "
+        "with zero-sized splits"
+    )

@@ -9,7 +9,7 @@ the submission in one line, never a KeyError in the graded test.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any, TypeVar
 
 from torch import Tensor
@@ -112,6 +112,13 @@ def read_field(tree: dict[str, Any], name: str, read: Callable[[Any], T]) -> T:
     return read_value(tree[name], name, read)
 
 
+def read_record(tree: Any, fields: Mapping[str, Callable[[Any], Any]]) -> dict[str, Any]:
+    """``tree``, a dict of exactly the keys of ``fields``, each value through its reader;
+    ProtocolError otherwise."""
+    read_fields(tree, fields)
+    return {name: read_field(tree, name, read) for name, read in fields.items()}
+
+
 def read_value(value: Any, name: str, read: Callable[[Any], T]) -> T:
     """``value``, called ``name``, through ``read``; a ProtocolError naming it and where in it."""
     try:
@@ -189,3 +196,11 @@ def read_text(value: Any) -> str:
 def or_none(read: Callable[[Any], T]) -> Callable[[Any], T | None]:
     """A reader that also takes None."""
     return lambda value: None if value is None else read(value)
+
+
+def read_type_name(value: Any) -> str:
+    """The name of the type a student's function returned, as the scenario reports it (an
+    identifier, which a message may quote); ValueError otherwise."""
+    if not isinstance(value, str) or not value.isidentifier() or len(value) > 64:
+        raise ValueError(f"a {kind(value)} where a type's name is due")
+    return value

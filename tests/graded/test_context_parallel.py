@@ -48,7 +48,7 @@ from grader.testkit import (
     rank_tensor,
     require,
 )
-from grader.testkit.attention import Attention, attention, causal_mask
+from grader.testkit.attention import Attention, Observed, attention, causal_mask, observations
 from grader.testkit.compare import WrongResult, named_cause, peer_bounds
 from grader.testkit.patterns import Expected, Region
 from grader.testkit.ring import ring_messages, ring_steps, ulysses_messages
@@ -91,6 +91,7 @@ class Run:
     case: Case
     full: dict[str, Tensor]  # q, k, v, grad over the whole sequence, in the case's dtype
     out: CallResult
+    seen: list[Observed]  # every rank's return, read and checked
     oracle: Attention
 
     def block(self, r: int) -> slice:
@@ -119,7 +120,7 @@ def run(world: World, function: str, case: Case, key: str, full: dict | None = N
     gates = [[Gate.handing("backward", mine("grad", r))] for r in range(p)]
     out = world.call(scenario="context_parallel.attention", args=args, case=key, gates=gates)
     oracle = attention(full["q"], full["k"], full["v"], full["grad"], case.causal)
-    return Run(p, n, case, full, out, oracle)
+    return Run(p, n, case, full, out, observations(out.returned, key), oracle)
 
 
 def mistakes(run: Run, function: str, r: int) -> dict[str, dict[str, Tensor]]:
@@ -228,10 +229,10 @@ def check_results(run: Run, function: str, what: str) -> None:
     why = [mistakes(run, function, r) for r in range(run.p)]
 
     def returned(r: int) -> None:
-        seen = run.out.returned[r]
+        seen = run.seen[r]
         require(
-            seen["output"] is not None,
-            f"{what}: {function} returned a {seen['output_type']}, not a tensor",
+            seen.output is not None,
+            f"{what}: {function} returned a {seen.output_type}, not a tensor",
         )
 
     on_every_rank(run.p, returned)
@@ -239,7 +240,8 @@ def check_results(run: Run, function: str, what: str) -> None:
         on_every_rank(run.p, lambda r, name=name: check(run, function, why[r], r, name, what))
     for r in range(run.p):  # its block of the output depends on other ranks' keys and values
         if run.p > 1 and (r > 0 or not run.case.causal):
-            output = run.out.returned[r]["output"]
+            output = run.seen[r].output
+            assert output is not None  # checked above
             check_informed(run.out, r, output.numel() * output.element_size(), what)
 
 
@@ -247,8 +249,8 @@ def check(
     run: Run, function: str, why: dict[str, dict[str, Tensor]], r: int, name: str, what: str
 ) -> None:
     oracle, dtype = run.oracle, run.case.dtype
-    got, here = run.out.returned[r][name], run.block(r)
-    if got is None and not run.out.returned[r].get("differentiable", True):
+    got, here = run.seen[r].result(name), run.block(r)
+    if got is None and not run.seen[r].differentiable:
         require(False, f"{what}: {name} is missing: {NO_GRAD_FN[function]}")
     require(got is not None, f"{what}: {name} is missing (.grad is None)")
     want = oracle.result(name)[:, :, here].to(dtype)
@@ -333,7 +335,7 @@ def test_causality(world: World, function: str) -> None:
     def check(r: int) -> None:
         here = range(r * n, min((r + 1) * n, t))
         for name in ("output", "dq"):
-            x, y = a.out.returned[r][name], b.out.returned[r][name]
+            x, y = a.seen[r].result(name), b.seen[r].result(name)
             require(x is not None and y is not None, f"{what}: {name} is missing")
             for i in here:
                 local = i - r * n

@@ -43,6 +43,7 @@ from grader.testkit import (
     TestRecord,
     World,
     check_close,
+    failures,
     on_every_rank,
     rank_tensor,
     require,
@@ -57,12 +58,14 @@ from grader.testkit.moe import (
     draw_layer,
     draw_tokens,
     messages_problem,
+    no_rows_hint,
     oracle,
     rank_major_taken_as_expert_major,
     rows_carried,
     rows_problem,
     token_order_taken_as_grouped,
 )
+from grader.testkit.moe_observed import Observed, observations
 from grader.testkit.patterns import Expected
 
 TERMS = 4 * (D + D_FF)  # rounding terms behind an output or gradient element
@@ -80,7 +83,7 @@ TOKEN_ORDER = (
 )
 
 
-def run_case(world: World, case: Case) -> tuple[CallResult, Oracle]:
+def run_case(world: World, case: Case) -> tuple[CallResult, list[Observed], Oracle]:
     state = draw_layer(case)
     xs = draw_tokens(case, build_moe(state, case.num_experts, case.top_k).double())
     gs = [
@@ -91,8 +94,15 @@ def run_case(world: World, case: Case) -> tuple[CallResult, Oracle]:
         for r in range(case.p)
     ]
     name = f"E={case.num_experts}, top-{case.top_k}, capacity_factor={case.capacity_factor}"
-    out = world.call(scenario="expert_parallel.forward_backward", args=args, case=name)
-    return out, oracle(case, state, xs, gs)
+    want = oracle(case, state, xs, gs)
+    try:
+        out = world.call(scenario="expert_parallel.forward_backward", args=args, case=name)
+    except failures.CommunicationError as err:
+        hint = no_rows_hint(case, want.kept)
+        if err.cause is not failures.Cause.DISAGREEMENT or not hint:
+            raise
+        raise err.with_hint(hint) from err
+    return out, observations(out.returned, name), want
 
 
 def local_experts(case: Case, rank: int) -> range:
@@ -123,9 +133,9 @@ def close(
     )
 
 
-def check_output(case: Case, out: CallResult, want: Oracle, rank: int) -> None:
-    seen, what = out.returned[rank], case.describe()
-    require("output" in seen, f"{what}: forward returned a {seen['output_type']}, not a tensor")
+def check_output(case: Case, seen: Observed, want: Oracle, rank: int) -> None:
+    what = case.describe()
+    require(seen.output is not None, f"{what}: forward returned a {seen.output_type}, not a tensor")
 
     def why() -> dict[str, Tensor]:  # made only if the output is wrong
         mistakes = capacity_mistakes(case, want, rank) if case.capacity_factor else {}
@@ -139,13 +149,12 @@ def check_output(case: Case, out: CallResult, want: Oracle, rank: int) -> None:
             mistakes[TOKEN_ORDER] = token_order_taken_as_grouped(case, want)[rank]
         return mistakes
 
-    close(seen["output"], want.outputs[rank], f"{what}: output", why, case.p, rows=True)
+    close(seen.output, want.outputs[rank], f"{what}: output", why, case.p, rows=True)
 
 
-def check_gradients(case: Case, out: CallResult, want: Oracle, rank: int) -> None:
+def check_gradients(case: Case, seen: Observed, want: Oracle, rank: int) -> None:
     """The router's, then this rank's experts', then the tokens' gradients."""
-    seen, what, p = out.returned[rank], case.describe(), case.p
-    grads = seen["grads"]
+    what, p, grads = case.describe(), case.p, seen.grads
     for name in ("router.weight", "router.bias"):
         full, own = want.grads[name], want.local_router[rank][name]
         why = {
@@ -169,7 +178,7 @@ def check_gradients(case: Case, out: CallResult, want: Oracle, rank: int) -> Non
             close(got, full, where, why, p)
     tokens = want.input_grads[rank]
     why = {f"it is zero: {NO_GRAD}": 0 * tokens}
-    close(seen["input_grad"], tokens, f"{what}: the tokens' gradient", why, p, rows=True)
+    close(seen.input_grad, tokens, f"{what}: the tokens' gradient", why, p, rows=True)
 
 
 def capacity_mistakes(case: Case, want: Oracle, rank: int) -> dict[str, Tensor]:
@@ -193,42 +202,41 @@ def capacity_mistakes(case: Case, want: Oracle, rank: int) -> dict[str, Tensor]:
         return {alone: moe(x, capacity=local), "no pair was dropped: apply capacity_factor": moe(x)}
 
 
-def check_case(case: Case, out: CallResult, want: Oracle) -> None:
+def check_case(case: Case, seen: list[Observed], want: Oracle) -> None:
     """Every rank's output first (a wrong one explains wrong gradients), then gradients."""
-    on_every_rank(case.p, lambda r: check_output(case, out, want, r))
-    on_every_rank(case.p, lambda r: check_gradients(case, out, want, r))
+    on_every_rank(case.p, lambda r: check_output(case, seen[r], want, r))
+    on_every_rank(case.p, lambda r: check_gradients(case, seen[r], want, r))
 
 
 @pytest.mark.graded(target="expert_parallel.ExpertParallelMoE", kind="correctness")
 @pytest.mark.parametrize("experts", ["E=p", "E=2p"])
 def test_moe_top1(world: World, experts: str) -> None:
     case = Case(world.size, world.size * (1 if experts == "E=p" else 2), 1)
-    check_case(case, *run_case(world, case))
+    check_case(case, *run_case(world, case)[1:])
 
 
 @pytest.mark.graded(target="expert_parallel.ExpertParallelMoE", kind="correctness")
 @pytest.mark.parametrize("experts", ["E=p", "E=2p"])
 def test_moe_top2(world: World, experts: str) -> None:
     case = Case(world.size, world.size * (1 if experts == "E=p" else 2), 2)
-    check_case(case, *run_case(world, case))
+    check_case(case, *run_case(world, case)[1:])
 
 
 @pytest.mark.graded(target="expert_parallel.ExpertParallelMoE", kind="correctness")
 @pytest.mark.parametrize("top_k", ["top-1", "top-2"])
 def test_capacity(world: World, top_k: str) -> None:
     case = Case(world.size, 2 * world.size, int(top_k[-1]), CAPACITY_FACTOR)
-    check_case(case, *run_case(world, case))
+    check_case(case, *run_case(world, case)[1:])
 
 
 @pytest.mark.graded(target="expert_parallel.ExpertParallelMoE", kind="correctness")
 def test_identity_experts(world: World) -> None:
     case = Case(world.size, 2 * world.size, 1, identity=True)
-    out, want = run_case(world, case)
+    _, seen, want = run_case(world, case)
 
     def check(r: int) -> None:
-        seen, x = out.returned[r], want.xs[r]
-        require("output" in seen, f"forward returned a {seen['output_type']}, not a tensor")
-        got = seen["output"]
+        got, x = seen[r].output, want.xs[r]
+        require(got is not None, f"forward returned a {seen[r].output_type}, not a tensor")
         require(
             got.shape == x.shape, f"output has shape {tuple(got.shape)}, expected {tuple(x.shape)}"
         )
@@ -374,8 +382,8 @@ def check_messages(
 def test_communication(world: World, record: TestRecord, capacity: str) -> None:
     cf = None if capacity.endswith("None") else CAPACITY_FACTOR
     case = Case(world.size, 2 * world.size, 2, cf)
-    out, want = run_case(world, case)
-    named = named_cause(lambda: check_case(case, out, want))
+    out, seen, want = run_case(world, case)
+    named = named_cause(lambda: check_case(case, seen, want))
     if named:  # the correctness tests deduct it; the exchange is judged on its own here
         record.details["values"] = f"wrong, for the cause the correctness tests name: {named}"
     sent, received = row_bytes(case, want.kept)

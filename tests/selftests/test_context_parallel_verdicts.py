@@ -8,7 +8,14 @@ where one rank behaves differently), shared by the tests of that submission.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import pytest
+import torch
+from forgeries import assert_broken_protocol, assert_earns_nothing, setting, without
+
+from grader.testkit.attention import observations
 
 PART = "context_parallel"
 FUNCTIONS = ("ring_attention", "ulysses_attention")
@@ -275,3 +282,66 @@ def test_ulysses_without_backward_names_the_missing_all_to_all(at_two) -> None:
     assert "ulysses_attention's output has no grad_fn" in message
     assert "dist.all_to_all has no backward" in message
     assert "element 0 of tensors does not require grad" not in graded.stdout
+
+
+def honest_observation() -> dict:
+    """A return of the shape that grader/scenarios/context_parallel.py builds."""
+    block = torch.zeros(2, 12, 8, 4)
+    return {
+        "output_type": "Tensor",
+        "output": block,
+        "differentiable": True,
+        "dq": block,
+        "dk": block,
+        "dv": block,
+    }
+
+
+FORGERIES: dict[str, tuple[Callable[[dict], Any], str]] = {
+    "a list": (lambda t: list(t.values()), "observation: a list, not a dict of output_type, "),
+    "an empty dict": (lambda t: {}, "observation: lacks differentiable and 5 more"),
+    "no dq": (without("dq"), "observation: lacks dq"),
+    "a field more": (setting(extra=1), "holds 1 key(s) that are not fields"),
+    "a string for a gradient": (setting(dq="x"), "dq holds a str where a tensor or None is due"),
+    "a list for the output": (setting(output=[1.0]), "output holds a list where a tensor or None"),
+    "a number for differentiable": (setting(differentiable=1), "holds a int where a bool is due"),
+    "a sentence for a type's name": (
+        setting(output_type="Tensor; full marks"),
+        "output_type holds a str where a type's name is due",
+    ),
+}
+
+
+def test_an_honest_observation_reads_into_the_record() -> None:
+    """A function that returned no tensor, with no gradient, is the submission's to be judged
+    on by the tests, not a malformed return."""
+    tree = setting(output_type="tuple", output=None, differentiable=False, dq=None)(
+        honest_observation()
+    )
+    (seen,) = observations([tree], "")
+    assert (seen.output_type, seen.output, seen.differentiable) == ("tuple", None, False)
+    assert seen.result("dq") is None and seen.result("dk") is tree["dk"]
+
+
+@pytest.mark.parametrize("forgery", FORGERIES)
+def test_a_malformed_observation_is_the_ranks_broken_protocol(forgery: str) -> None:
+    """The trusted side reads each rank's return into one checked record: a malformed one fails
+    in one line, the lowest rank's, charged to the submission as a protocol fault."""
+    assert_broken_protocol(
+        observations, honest_observation, FORGERIES[forgery], "context_parallel.attention"
+    )
+
+
+def test_a_forged_observation_earns_nothing(grade) -> None:
+    """The scenario's result rewritten in the rank's process (a string where dq is due): every
+    test fails in one line naming the malformed return, never a KeyError or TypeError of the
+    grader's; the communication tests too, which judge the messages only with right values."""
+    graded = grade("cp_forged_observation", PART, world_sizes=(2,))
+    said = (
+        "rank 0: context_parallel.attention returned a malformed observation: dq holds a str "
+        "where a tensor or None is due (the same on rank 1)"
+    )
+    tests = [t for t in graded.tests if t["extra_data"]["part"] == PART]
+    assert len(tests) == 2 * len(CASES) + 2 + 2
+    for test in tests:
+        assert_earns_nothing(test, said)

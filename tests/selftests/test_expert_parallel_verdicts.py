@@ -8,7 +8,14 @@ world size 2 (and 3 where p = 2 cannot show the mistake everywhere).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import pytest
+import torch
+from forgeries import assert_broken_protocol, assert_earns_nothing, setting, without
+
+from grader.testkit.moe_observed import observations
 
 PART = "expert_parallel"
 TOP1 = ["moe_top1[E=p]", "moe_top1[E=2p]"]
@@ -262,3 +269,79 @@ def test_an_all_to_all_without_backward_is_named(grade) -> None:
     message = graded.message("moe_top1[E=p]", 2)
     assert "the tokens' gradient: element " in message
     assert "(it is zero: no gradient came back through the all-to-alls: " in message
+
+
+def honest_observation() -> dict:
+    """A return of the shape that grader/scenarios/expert_parallel.py builds."""
+    rows = torch.zeros(5, 8)
+    grads = {"router.weight": torch.zeros(2, 8), "router.bias": None}
+    return {"output_type": "Tensor", "output": rows, "input_grad": rows, "grads": grads}
+
+
+FORGERIES: dict[str, tuple[Callable[[dict], Any], str]] = {
+    "a tensor": (lambda t: torch.zeros(1), "observation: a Tensor, not a dict of output_type, "),
+    "no input_grad": (without("input_grad"), "observation: lacks input_grad"),
+    "a field more": (setting(extra="x"), "holds 1 key(s) that are not fields"),
+    "a string for the output": (setting(output="x"), "output holds a str where a tensor or None"),
+    "a list for the grads": (setting(grads=[]), "grads holds a list where a dict is due"),
+    "a string for a gradient": (
+        setting(grads={"router.weight": "full marks"}),
+        "grads holds a str where a tensor or None is due",
+    ),
+    "no type's name": (setting(output_type=None), "output_type holds a NoneType where a type's"),
+}
+
+
+def test_an_honest_observation_reads_into_the_record() -> None:
+    """A layer that returned no tensor, with no gradients and parameters of its own names, is
+    the submission's to be judged on by the tests (which say what is missing)."""
+    tree = setting(output_type="list", output=None, input_grad=None, grads={"mine": None})(
+        honest_observation()
+    )
+    (seen,) = observations([tree], "")
+    assert (seen.output_type, seen.output, seen.input_grad) == ("list", None, None)
+    assert seen.grads == {"mine": None}
+    (seen,) = observations([honest_observation()], "")
+    assert seen.grads["router.bias"] is None and seen.output is not None
+
+
+@pytest.mark.parametrize("forgery", FORGERIES)
+def test_a_malformed_observation_is_the_ranks_broken_protocol(forgery: str) -> None:
+    """The trusted side reads each rank's return into one checked record: a malformed one fails
+    in one line, the lowest rank's, charged to the submission as a protocol fault."""
+    assert_broken_protocol(
+        observations, honest_observation, FORGERIES[forgery], "expert_parallel.forward_backward"
+    )
+
+
+def test_a_forged_observation_earns_nothing(grade) -> None:
+    """The scenario's result rewritten in the rank's process (the tokens' gradient dropped):
+    every test fails in one line naming the malformed return, never a KeyError of the
+    grader's; the communication tests too, which judge the exchange only with the values."""
+    graded = grade("ep_forged_observation", PART, world_sizes=(2,))
+    said = (
+        "rank 0: expert_parallel.forward_backward returned a malformed observation: lacks "
+        "input_grad (the same on rank 1)"
+    )
+    failed, _ = verdicts(graded, 2)
+    assert failed == set(ALL)
+    for name in ALL:
+        assert_earns_nothing(graded.test(name, 2), said)
+
+
+def test_a_rank_with_no_rows_that_skips_its_backward_all_to_all_is_told_why(grade) -> None:
+    """With top-1 of E = p experts expert 0 gets no token, so rank 0 receives no rows; its
+    backward skips the all-to-all the others post, and the broker sees the ranks disagree:
+    the verdict stands, and the message says why."""
+    graded = grade("ep_no_rows_skips_backward", PART, k="moe_top1", world_sizes=(2,))
+    test = graded.test("moe_top1[E=p]", 2)
+    message = test["output"]
+    assert test["extra_data"]["outcome"] == "error" and test["score"] == 0
+    assert test["extra_data"]["cause"] == "disagreement"
+    assert message.startswith("the ranks disagree on a collective: rank 0 calls all_reduce of ")
+    assert "while rank 1 calls all_to_all of " in message
+    assert "in this case rank 0 receives no rows for its experts: " in message
+    assert "every rank must take part in every all-to-all, forward and backward, " in message
+    assert "even with zero-sized splits" in message
+    # Every rank has rows both ways with E = 2p: the same layer passes.
+    assert graded.outcome("moe_top1[E=2p]", 2) == "passed"

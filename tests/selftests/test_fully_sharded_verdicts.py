@@ -13,8 +13,8 @@ from typing import Any
 
 import pytest
 import torch
+from forgeries import assert_broken_protocol, assert_earns_nothing
 
-from grader.failures import Cause, CommunicationError
 from grader.testkit import data
 from grader.testkit.fully_sharded import (
     NUMEL,
@@ -293,14 +293,9 @@ def test_an_honest_observation_reads_into_the_record() -> None:
 def test_a_malformed_observation_is_the_ranks_broken_protocol(forgery: str) -> None:
     """The trusted side reads each rank's return into one checked record: a malformed one fails
     in one line, the lowest rank's, charged to the submission as a protocol fault."""
-    forge, said = FORGERIES[forgery]
-    bad = forge(honest_observation())
-    with pytest.raises(CommunicationError) as caught:
-        observations([honest_observation(), bad, bad], "sgd-float32")
-    message = str(caught.value)
-    assert message.startswith("rank 1: fully_sharded.train returned a malformed observation: ")
-    assert said in message and message.endswith("(the same on rank 2) (case: sgd-float32)")
-    assert caught.value.cause is Cause.PROTOCOL and "\n" not in message
+    assert_broken_protocol(
+        observations, honest_observation, FORGERIES[forgery], "fully_sharded.train"
+    )
 
 
 def test_a_forged_observation_earns_nothing(grade) -> None:
@@ -314,8 +309,5 @@ def test_a_forged_observation_earns_nothing(grade) -> None:
     )
     names = ["training[sgd-float32]", "training[adamw-float32]", "gradient_shards[float32]"]
     for name in [*names, "memory_at_rest[float32]"]:
-        failed_because(graded, name, said, outcome="error")
-        test = graded.test(name, 2)
-        assert test["score"] == 0 and test["extra_data"]["cause"] == "protocol"
-        assert "\n" not in test["output"].strip() and "Error" not in test["output"]
+        assert_earns_nothing(graded.test(name, 2), said)
     assert graded.outcome("communication[float32]", 2) == "passed"
