@@ -40,7 +40,7 @@ whoever connects to the head proves that it knows the course's secret::
     challenge {nonce}                                  head to whoever connects
     join      {role, node | job and rank, proof}      the answer: a node, or a rank's relay
     accept    {proof}                                  head to it: the head's own proof
-    run       {world_size, level, memory, device}      + the staged submission: head to node
+    run       {world_size, level, device}              + the staged submission: head to node
     job       {id, per_node}                           head to node: start your ranks of it
     ready     {level}                                  node to head: it took the run, at level
     finish    {}                                       head to node: grading is over

@@ -22,7 +22,6 @@ The modules that grade are imported only once the configuration is chosen
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 from pathlib import Path
@@ -37,8 +36,9 @@ from grader.commands import interrupts
 from grader.commands.options import UsageError, parser
 from grader.course.config import ConfigError, GradingConfig, activate, find_config, load_config
 from grader.course.submission import SubmissionError, resolve
+from grader.device import Device, detect
 from grader.launch import orphans, tmpdir
-from grader.launch.workspace import Workspace, device
+from grader.launch.workspace import Workspace
 from grader.nodes import Nodes, NodesError
 
 if TYPE_CHECKING:
@@ -47,6 +47,8 @@ if TYPE_CHECKING:
 
 EXIT_PASSED, EXIT_FAILED, EXIT_CANNOT_GRADE = 0, 1, 2
 EXIT_INTERRUPTED = 130
+#: The ranks' device for each ``--backend`` (None: a GPU when there is one).
+_BACKEND_DEVICE = {"auto": None, "gloo": Device.CPU, "nccl": Device.CUDA}
 # Not a terminal (a CI log, a pipe, a batch's grader.log): no window to fit, and a cell cut
 # at rich's default 80 columns ("communication…") loses the very word a reader looks for.
 LOG_WIDTH = 200
@@ -137,7 +139,8 @@ def _command(console: Console, args: argparse.Namespace, config: GradingConfig) 
     if args.command == "doctor":
         from grader.commands.doctor import doctor
 
-        return EXIT_PASSED if doctor(console, config, args.sandbox) else EXIT_CANNOT_GRADE
+        level = doctor(console, config, sandbox.requested(args.sandbox))
+        return EXIT_CANNOT_GRADE if level is None else EXIT_PASSED
     modules = [f"{part}.py" for part in config.parts]
     if args.command == "bench":
         from grader.commands.listing import bench
@@ -159,20 +162,21 @@ def _grade_run(
     level), then grade, watch, or serve a batch."""
     began = time.monotonic()  # the printed time counts the start-up
     nodes = Nodes.from_options(args.nnodes, args.node_rank, args.rdzv_endpoint)
+    request = sandbox.requested(args.sandbox)  # $GRADER_SANDBOX too
     if nodes is not None and not nodes.head:
-        return _lend(nodes, args.sandbox)
+        return _lend(nodes, request)
     submission = resolve(args.submission, modules)
     _check_run(args, nodes)
     for_course = args.results is not None or args.batch_worker is not None
     with interrupts.after():  # torch's import, where there is a GPU it might use
-        ranks_device = device()
+        ranks_device = detect(_BACKEND_DEVICE[args.backend])
     workspace: Workspace | None = None
     session: Session | None = None
     try:
         # On a terminal, what the start-up does, from its first second; the first line
         # (the level, and why no stronger one) as soon as a rank has started at that level.
         with console.status("starting: a rank in the sandbox") as status:
-            workspace = Workspace(config, args.sandbox, for_course, ranks_device)
+            workspace = Workspace(config, request, for_course, ranks_device)
             if nodes is None:  # its torchrun and ranks import torch while this process does
                 workspace.start(_first_job_size(config, parts, args.world_sizes))
                 if args.batch_worker is None:
@@ -214,9 +218,6 @@ def _check_run(args: argparse.Namespace, nodes: Nodes | None) -> None:
     alone = (args.watch, args.batch_worker is not None, args.results is not None, nodes)
     if (args.watch or args.batch_worker is not None) and sum(map(bool, alone)) > 1:
         raise UsageError("--watch grades for the terminal: not with --results or --nnodes")
-    sandbox.requested(args.sandbox)  # $GRADER_SANDBOX too
-    if args.backend != "auto":
-        os.environ["GRADER_DEVICE"] = "cuda" if args.backend == "nccl" else "cpu"
 
 
 def _selected(
@@ -357,7 +358,7 @@ def _write(
     return None
 
 
-def _lend(nodes: Nodes, sandbox_request: str) -> int:
+def _lend(nodes: Nodes, sandbox_request: sandbox.Level | None) -> int:
     """A node other than node 0: lend ranks to node 0's jobs until grading is over."""
     with interrupts.after():  # torch's import
         from grader.nodes.lend import lend_ranks

@@ -10,11 +10,14 @@ from rich.markup import escape
 
 from grader import sandbox
 from grader.course.config import GradingConfig
+from grader.device import Device
 from grader.launch.job import job_settings
 from grader.launch.workspace import Workspace, why_not
 
 
-def doctor(console: Console, config: GradingConfig, request: str) -> sandbox.Level | None:
+def doctor(
+    console: Console, config: GradingConfig, request: sandbox.Level | None
+) -> sandbox.Level | None:
     """Print each level's verdict; return the level a course's grading would use, if any."""
     workspace = Workspace(config, request, for_course=True)
     try:
@@ -22,9 +25,11 @@ def doctor(console: Console, config: GradingConfig, request: str) -> sandbox.Lev
         for level in sandbox.Level:
             why = why_not(
                 level,
-                "none" if level is sandbox.Level.NONE else request,
+                sandbox.Level.NONE if level is sandbox.Level.NONE else request,
                 False,
-                lambda lv: job_settings(workspace.work, lv, "cpu", identity=workspace.identity),
+                lambda lv: job_settings(
+                    workspace.work, lv, Device.CPU, identity=workspace.identity
+                ),
             )
             if why is None and chosen is None and level is not sandbox.Level.NONE:
                 chosen = level

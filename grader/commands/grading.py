@@ -22,13 +22,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from grader import protocol, sandbox
+from grader import protocol
 from grader.commands import interrupts
 from grader.course import config as course
 from grader.course.catalog import GradedTest, WorldSizes, graded_pytest
 from grader.course.config import TIMED, GradingConfig
 from grader.course.secret import secret
 from grader.course.submission import problem_with, stage
+from grader.device import Device
 from grader.failures import Cause
 from grader.judge.audit import audit
 from grader.judge.plugin import GradingPlugin
@@ -39,6 +40,7 @@ from grader.launch.world import RankPool
 from grader.nodes import Nodes, NodesError, node_key, pack_folder
 from grader.nodes.head import Head
 from grader.report.results import GradedResult
+from grader.sandbox import Level
 from grader.sandbox.identity import Identity
 from grader.testkit import data
 from grader.wire import Frame
@@ -62,10 +64,10 @@ class Listener:
 class GradingRun:
     results: list[GradedResult]
     interrupted: bool
-    sandbox: str  # the level that isolated the student's code
+    sandbox: Level  # the level that isolated the student's code
     grader_failure: str | None = None
     review: list[str] = field(default_factory=list)  # constructs a TA should look at
-    sandbox_per_node: list[str] = field(default_factory=list)  # across nodes: node 0 first
+    sandbox_per_node: list[Level] = field(default_factory=list)  # across nodes: node 0 first
 
 
 class Session:
@@ -121,7 +123,7 @@ class Session:
             staged = import_dir / "assignments"
             review = [f"left out of the submission: {line}" for line in left_out] + audit(staged)
             level = self.workspace.chosen_level()
-            if level is sandbox.Level.NONE and self.workspace.for_course:
+            if level is Level.NONE and self.workspace.for_course:
                 review.insert(0, UNSANDBOXED)
             parts = dict.fromkeys(t.part for t in tests)
             problems = {part: problem_with(staged, part) for part in parts}
@@ -147,22 +149,22 @@ class Session:
             GradedResult(t, v := verdicts[t.nodeid], t.settings.points * v.share()) for t in tests
         ]
         chosen = self.workspace.level
-        level_name = chosen.value if chosen is not None else sandbox.Level.NONE.value
-        return GradingRun(results, interrupted, level_name, failure, review, per_node)
+        level = chosen if chosen is not None else Level.NONE
+        return GradingRun(results, interrupted, level, failure, review, per_node)
 
     def _run(
         self,
         tests: list[GradedTest],
         on_start: Callable[[GradedTest], None],
         on_verdict: Callable[[GradedTest, Verdict], None],
-        per_node: list[str],
+        per_node: list[Level],
     ) -> tuple[bool, str | None]:
         """Run the tests; across nodes, ``per_node`` gets the sandbox level each node applied."""
         settings = self.workspace.settings()
         data.configure(secret(), _digest(settings.import_dir))
         head = None
         if self.nodes is not None:
-            level = sandbox.Level(settings.sandbox)
+            level = settings.level
             try:
                 head = _start_head(self.nodes, tests, settings.import_dir, level, settings.device)
             except NodesError as err:
@@ -186,7 +188,7 @@ class Session:
             pool.close()  # it ran the submission: never used again
             if head is not None:
                 head.finish()
-                per_node += [level.value, *(head.levels[n] for n in sorted(head.levels))]
+                per_node += [level, *(head.levels[n] for n in sorted(head.levels))]
         if self.warm:
             identity = self.workspace.identity
             if identity is not None:  # what the uids left in /tmp is not the next's
@@ -252,20 +254,24 @@ def _reference_job(
     work = settings.work_dir / "reference"
     shutil.rmtree(work, ignore_errors=True)
     stage(reference, work / "import")
-    level = sandbox.Level(settings.sandbox)
-    if identity is not None and level is not sandbox.Level.NONE:
+    if identity is not None and settings.level is not Level.NONE:
         identity.share(work)
-    return job_settings(work, level, settings.device, None, config.limits, identity)
+    return job_settings(work, settings.level, settings.device, None, config.limits, identity)
 
 
 def _start_head(
-    nodes: Nodes, tests: list[GradedTest], import_dir: Path, level: sandbox.Level, device: str
+    nodes: Nodes, tests: list[GradedTest], import_dir: Path, level: Level, device: Device
 ) -> Head:
     """Node 0 of a run across nodes: host the rendezvous, wait for the other nodes' graders,
     and hand each the staged submission and how to sandbox it."""
     world_size = max(t.world_size for t in tests)
     run = Frame(
-        {"type": protocol.RUN, "world_size": world_size, "level": level.value, "device": device},
+        {
+            "type": protocol.RUN,
+            "world_size": world_size,
+            "level": level.value,
+            "device": device.value,
+        },
         [pack_folder(import_dir / "assignments")],
     )
     head = Head(nodes, node_key(), world_size, run)

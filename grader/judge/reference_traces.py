@@ -27,6 +27,7 @@ from typing import Any
 
 from grader.broker.traffic import Message
 from grader.course.config import ConfigError
+from grader.device import Device
 from grader.failures import GraderFailure, RankFailure
 
 TRACES_FILE = Path(__file__).with_name("reference_traces.json")
@@ -96,7 +97,7 @@ def build(sizes: dict[int, set[int]]) -> Traces:
     traces: Traces = {}
     try:
         stage(REPO_ROOT / "reference", work / "import")
-        pool = RankPool(max(sizes), job_settings(work, sandbox.Level.NONE, "cpu"))
+        pool = RankPool(max(sizes), job_settings(work, sandbox.Level.NONE, Device.CPU))
         try:
             for world_size, counts in sorted(sizes.items()):
                 world = World(world_size, pool, limits)

@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING
 
 from grader.course.config import RankLimits
 from grader.course.secret import SECRET_ENV
+from grader.device import Device
 from grader.launch import orphans, tmpdir
 from grader.launch.sandboxed import JOB_ENV, SandboxPlan
 from grader.protocol import rank_socket
@@ -55,13 +56,13 @@ class JobSettings:
 
     work_dir: Path
     import_dir: Path
-    sandbox: str  # a grader.sandbox.Level value
+    level: Level
     hidden: tuple[Path, ...]
     readable: tuple[Path, ...]
     pythonpath: str
     memory_bytes: int
     allow: tuple[Rule, ...] = ()  # the ranks' Landlock allow-list (grader.sandbox.view.allowed)
-    device: str = "cpu"
+    device: Device = Device.CPU
     head: Head | None = None  # a job across nodes: this grader is node 0 (grader.nodes)
     scratch_bytes: int = DEFAULT_SCRATCH
     identity: Identity | None = None  # as root: the run's own uids, a uid per local rank
@@ -70,7 +71,7 @@ class JobSettings:
 def job_settings(
     work: Path,
     level: Level,
-    device: str,
+    device: Device,
     head: Head | None = None,
     limits: RankLimits | None = None,
     identity: Identity | None = None,
@@ -83,7 +84,7 @@ def job_settings(
     return JobSettings(
         work_dir=work,
         import_dir=import_dir,
-        sandbox=level.value,
+        level=level,
         hidden=tuple(p for p in view.hidden(work) if p.exists()),
         readable=(*readable, *view.interpreter()),
         pythonpath=str(lib),
@@ -374,7 +375,7 @@ def _write_plan(
     job_dir.chmod(0o711)  # a rank's uid passes through to its scratch, and reads nothing here
     (job_dir / "scratch").mkdir(mode=0o711)
     SandboxPlan(
-        level=settings.sandbox,
+        level=settings.level,
         socket_dir=str(socket_dir),
         import_dir=str(settings.import_dir),
         hidden=[str(p) for p in settings.hidden],

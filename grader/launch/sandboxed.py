@@ -20,8 +20,11 @@ import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from grader.device import ENV_VAR as DEVICE_ENV
+from grader.device import Device, parse
 from grader.protocol import RankExit, clean, rank_socket
 from grader.sandbox import DEFAULT_SCRATCH, NOBODY, Level, Sandbox, die_with, landlock
+from grader.sandbox import ENV_VAR as SANDBOX_ENV
 
 JOB_ENV = "GRADER_JOB"
 RANK_ENTRY = "grader.rank"  # the rank's process: python -m grader.rank (grader/rank/__main__.py)
@@ -31,7 +34,7 @@ RANK_ENTRY = "grader.rank"  # the rank's process: python -m grader.rank (grader/
 class SandboxPlan:
     """How the ranks of one job are sandboxed; written by the grader into the job directory."""
 
-    level: str
+    level: Level
     socket_dir: str
     import_dir: str
     hidden: list[str]
@@ -43,7 +46,7 @@ class SandboxPlan:
     # As root, local rank r runs as first_uid + r (grader.sandbox.identity); otherwise every rank is
     # nobody in a user namespace of its own.
     first_uid: int | None = None
-    device: str = "cpu"
+    device: Device = Device.CPU
     # A job across nodes: every rank relays to the head's broker at this address.
     broker: str = ""
     job: str = ""
@@ -52,11 +55,13 @@ class SandboxPlan:
     def write(self, job_dir: Path) -> None:
         descriptor = os.open(job_dir / "sandbox.json", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with os.fdopen(descriptor, "w") as plan:
-            plan.write(json.dumps(asdict(self)))
+            plan.write(json.dumps(asdict(self)))  # the enums as their values
 
     @classmethod
     def read(cls, job_dir: Path) -> SandboxPlan:
-        return cls(**json.loads((job_dir / "sandbox.json").read_text()))
+        fields = json.loads((job_dir / "sandbox.json").read_text())
+        level, where = Level(fields.pop("level")), f"{job_dir}/sandbox.json"
+        return cls(level=level, device=parse(fields.pop("device"), where), **fields)
 
 
 def exit_path(job_dir: Path, rank: int) -> Path:
@@ -154,13 +159,13 @@ def _sandbox(
         "PYTHONDONTWRITEBYTECODE": "1",
         "PYTHONUNBUFFERED": "1",
         "OMP_NUM_THREADS": "1",
-        "GRADER_DEVICE": plan.device,
-        "GRADER_SANDBOX": plan.level,  # how the rank words a refused system call
+        DEVICE_ENV: plan.device.value,
+        SANDBOX_ENV: plan.level.value,  # how the rank words a refused system call
         **STEADY_MALLOC,
     }
     uid = NOBODY if plan.first_uid is None else plan.first_uid + local_rank
     return Sandbox(
-        Level(plan.level),
+        plan.level,
         job_dir / "scratch" / f"rank{rank}",
         hidden=tuple(map(Path, plan.hidden)),
         readable=tuple(map(Path, plan.readable)),

@@ -5,13 +5,13 @@ here, before the grader imports torch; and so the run's first job starts here to
 (:meth:`Workspace.start`; not for a run across nodes, which starts its jobs through its
 head). Its torchrun and then its ranks import torch while the grader does, instead of after
 it: on a laptop that is a second and more of every cold ``grader run``. Only where there may
-be a GPU does the grader import torch first, to ask it for the ranks' device (:func:`device`).
+be a GPU does the grader import torch first, to ask it for the ranks' device
+(:func:`grader.device.detect`).
 :class:`grader.commands.grading.Session` takes the job over with the rest.
 """
 
 from __future__ import annotations
 
-import ctypes.util
 import os
 import shutil
 import subprocess
@@ -24,6 +24,7 @@ from grader import sandbox
 from grader.course import config as course
 from grader.course.config import GradingConfig
 from grader.course.secret import secret_path
+from grader.device import Device
 from grader.launch import orphans
 from grader.launch.job import (
     RANK_WRAPPER,
@@ -50,21 +51,12 @@ _FIXES = {
     "Debian's /usr/bin/python3 or a venv made from it; or install bubblewrap (apt-get install "
     "bubblewrap)",
 }
-#: Signs of a GPU that torch might use: NVIDIA's driver loaded or its device files (WSL's,
-#: Jetson's too), ROCm's. With none of them and no CUDA driver library, the ranks' device is
-#: the CPU, known without importing torch; with any, torch is asked.
-_GPU_SIGNS = (
-    Path("/proc/driver/nvidia"),
-    Path("/dev/nvidiactl"),
-    Path("/dev/dxg"),
-    Path("/dev/nvhost-ctrl-gpu"),
-    Path("/dev/kfd"),
-)
 
 
 class Workspace:
     """The work folder, uids, sandbox level and first job of one run.
 
+    ``sandbox_request``: the level asked for (None: the strongest that runs here).
     ``for_course``: the results are a course's (a results file): never at ``none`` unless
     that was asked for by name. A level that cannot run the ranks here raises
     :class:`sandbox.SandboxError` where the level is first needed (the first job, or across
@@ -74,12 +66,12 @@ class Workspace:
     def __init__(
         self,
         config: GradingConfig,
-        sandbox_request: str = "auto",
+        sandbox_request: sandbox.Level | None = None,
         for_course: bool = False,
-        device: str = "cpu",
+        device: Device = Device.CPU,
     ) -> None:
         self.config, self.sandbox_request, self.for_course = config, sandbox_request, for_course
-        self.device = device  # the ranks': "cpu" or "cuda" (:func:`device`)
+        self.device = device  # the ranks' (grader.device.detect)
         self.work = Path(tempfile.mkdtemp(prefix="grader-")).resolve()
         self.level: sandbox.Level | None = None  # chosen at the first job
         self.refused: dict[sandbox.Level, str] = {}  # why each stronger level was not taken
@@ -124,7 +116,7 @@ class Workspace:
             self.level = choose_level(
                 self.sandbox_request,
                 self.for_course,
-                lambda lv: job_settings(self.work, lv, "cpu", identity=identity),
+                lambda lv: job_settings(self.work, lv, Device.CPU, identity=identity),
                 self.refused,
             )
         return self.level
@@ -144,20 +136,8 @@ class Workspace:
         uids.release_all(held)
 
 
-def device() -> str:
-    """Where the ranks keep their tensors: the choice of ``--backend``, else a GPU if any.
-    Imports torch where a GPU's device file is there (call it where an interrupt waits)."""
-    if os.environ.get("GRADER_DEVICE") in ("cpu", "cuda"):
-        return os.environ["GRADER_DEVICE"]
-    if not any(path.exists() for path in _GPU_SIGNS) and ctypes.util.find_library("cuda") is None:
-        return "cpu"
-    import torch  # a GPU may be there: whether torch can use it is torch's to say
-
-    return "cuda" if torch.cuda.is_available() else "cpu"
-
-
 def choose_level(
-    request: str,
+    request: sandbox.Level | None,
     for_course: bool,
     settings_for: Callable[[sandbox.Level], JobSettings],
     refused: dict[sandbox.Level, str] | None = None,
@@ -183,7 +163,7 @@ def choose_level(
 
 def why_not(
     level: sandbox.Level,
-    request: str,
+    request: sandbox.Level | None,
     for_course: bool,
     settings_for: Callable[[sandbox.Level], JobSettings],
 ) -> str | None:
@@ -191,7 +171,7 @@ def why_not(
     privileges, then a real rank started with this run's settings (:func:`probe`), then, at
     ``uid``, whether a rank could read the course."""
     if level is sandbox.Level.NONE:
-        if for_course and sandbox.requested(request) != "none":
+        if for_course and request is not sandbox.Level.NONE:
             return (
                 "a run that writes results for a course does not grade unsandboxed "
                 "unless --sandbox none is given"

@@ -14,6 +14,7 @@ from typing import Any
 from grader import protocol, wire
 from grader.nodes import JOIN_SECONDS, Nodes, NodesError, channel
 from grader.nodes.channel import Sealed
+from grader.sandbox import Level
 from grader.wire import Frame
 
 PORT_KEY = "grader/port"
@@ -58,7 +59,7 @@ class Head:
         self._store.set(PORT_KEY, str(self._listener.getsockname()[1]))
         self._cv = threading.Condition()
         self._links: dict[int, Sealed] = {}
-        self.levels: dict[int, str] = {}  # the sandbox level each node that is ready applies
+        self.levels: dict[int, Level] = {}  # the sandbox level each node that is ready applies
         self._gone: dict[int, str] = {}  # why a node went; -1: a session was tampered with
         self._refused_proofs = 0
         self._job: _Job | None = None
@@ -221,10 +222,11 @@ class Head:
         with self._cv:
             if node in self.levels:
                 return
-            if level != asked:  # a node lowers no level, and raises none the head did not ask
+            # A node lowers no level, and raises none the head did not ask.
+            if level != asked or level not in {lv.value for lv in Level}:
                 said = protocol.clean(level, 20)
                 self._went(node, f"node {node} applies sandbox {said!r}, not {asked!r}")
             else:
-                self.levels[node] = level
+                self.levels[node] = Level(level)
                 self._send_job(sock)  # joined late: it starts the current job too
             self._cv.notify_all()

@@ -27,6 +27,7 @@ from datetime import timedelta
 from pathlib import Path
 
 from grader import protocol, sandbox, wire
+from grader.device import parse
 from grader.launch.job import JobSettings, TorchrunJob, job_settings, node_job
 from grader.nodes import JOIN_SECONDS, Nodes, NodesError, node_key, unpack_folder
 from grader.nodes.channel import Sealed, connect
@@ -54,7 +55,7 @@ def node_level(own: sandbox.Level, asked: object) -> sandbox.Level:
             f"{own.value!r}: a node never grades below its own level (start node 0 with "
             f"--sandbox {own.value}, or this node with --sandbox {wanted.value})"
         )
-    return own if wanted is own else sandbox.detect(wanted.value)
+    return own if wanted is own else sandbox.detect(wanted)
 
 
 def join_head(nodes: Nodes, key: bytes, timeout: float = JOIN_SECONDS) -> tuple[Sealed, str]:
@@ -81,7 +82,7 @@ def join_head(nodes: Nodes, key: bytes, timeout: float = JOIN_SECONDS) -> tuple[
     return connect(address, key, {"role": "node", "node": nodes.rank}), address
 
 
-def lend_ranks(nodes: Nodes, sandbox_request: str = "auto") -> int:
+def lend_ranks(nodes: Nodes, sandbox_request: sandbox.Level | None = None) -> int:
     """Serve the head's jobs until grading is over; 0 then, 2 if the run broke."""
     key = node_key()
     try:
@@ -100,7 +101,8 @@ def lend_ranks(nodes: Nodes, sandbox_request: str = "auto") -> int:
         )
     try:
         level = node_level(own, run.header.get("level"))
-    except sandbox.SandboxError as err:
+        ranks_device = parse(run.header.get("device"), "the head's run")
+    except (sandbox.SandboxError, ValueError) as err:
         with contextlib.suppress(OSError):
             wire.send_frame(link, Frame({"type": protocol.REFUSE, "message": str(err)}))
         return _fail(str(err))
@@ -110,7 +112,7 @@ def lend_ranks(nodes: Nodes, sandbox_request: str = "auto") -> int:
     try:
         work.chmod(0o711)
         unpack_folder(run.buffers[0], work / "import")
-        settings = job_settings(work, level, str(run.header["device"]), identity=identity)
+        settings = job_settings(work, level, ranks_device, identity=identity)
         wire.send_frame(link, Frame({"type": protocol.READY, "level": level.value}))
         print(
             f"node {nodes.rank}: joined the head at {nodes.endpoint} (sandbox: {level.value})",

@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from grader import protocol
+from grader.device import Device
 from grader.protocol import Form, OpName
 from grader.rank.frames import student_location
 from grader.rank.link import BrokerLink, PendingOp
@@ -324,4 +325,6 @@ def register(link: BrokerLink) -> None:
         ranks = list(options.global_ranks_in_group) or list(range(options.group_size))
         return BrokerGroup(link, options.group_rank, options.group_size, ranks)
 
-    dist.Backend.register_backend(BACKEND_NAME, create, extended_api=True, devices=["cpu", "cuda"])
+    dist.Backend.register_backend(
+        BACKEND_NAME, create, extended_api=True, devices=[d.value for d in Device]
+    )

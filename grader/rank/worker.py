@@ -29,7 +29,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from grader import protocol, wire
+from grader import protocol, sandbox, wire
+from grader.device import Device, of_rank
 from grader.rank import backend, frames, fresh
 from grader.rank.link import BrokerLink
 from grader.sandbox import syscall_filter
@@ -81,7 +82,7 @@ def _form_group(rank: int, world_size: int) -> None:
 
 def _device(rank: int) -> torch.device:
     """The rank's GPU when the grader asked for one per rank, else the CPU."""
-    if os.environ.get("GRADER_DEVICE") == "cuda" and torch.cuda.is_available():
+    if of_rank() is Device.CUDA and torch.cuda.is_available():
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
         torch.cuda.set_device(device)
         return device
@@ -186,7 +187,7 @@ def _refused_by_sandbox(err: BaseException) -> bool:
         isinstance(err, PermissionError)
         and err.errno == errno.EPERM
         and err.filename is None
-        and os.environ.get("GRADER_SANDBOX", "none") != "none"
+        and os.environ.get(sandbox.ENV_VAR, sandbox.Level.NONE.value) != sandbox.Level.NONE.value
     )
 
 

@@ -21,6 +21,7 @@ from typing import Any
 
 from grader.course.catalog import GradedTest
 from grader.judge.verdict import Verdict
+from grader.sandbox import Level
 
 RESULTS_MODE = 0o644  # Gradescope's harness and TAs read it, whoever wrote it
 
@@ -70,15 +71,16 @@ def to_gradescope(
     seconds: float,
     summary: str,
     top_level: dict[str, str] | None = None,
-    sandbox: str = "none",
+    sandbox: Level = Level.NONE,
     review: list[str] | None = None,
-    sandbox_per_node: list[str] | None = None,
+    sandbox_per_node: list[Level] | None = None,
 ) -> dict[str, Any]:
     """The document; ``top_level`` adds Gradescope's ``visibility``/``stdout_visibility``.
 
     ``sandbox_per_node``: across nodes, the level each node applied (node 0 first).
     """
-    per_node = {"sandbox_per_node": list(sandbox_per_node)} if sandbox_per_node else {}
+    levels = [level.value for level in sandbox_per_node or []]
+    per_node = {"sandbox_per_node": levels} if levels else {}
     return {
         "score": round(Points.of(results).earned, 4),
         "execution_time": round(seconds, 1),
@@ -86,7 +88,7 @@ def to_gradescope(
         "output_format": "text",
         **(top_level or {}),
         "tests": [_test_entry(number, r) for number, r in enumerate(results, start=1)],
-        "extra_data": {"sandbox": sandbox, **per_node, "review": list(review or [])},
+        "extra_data": {"sandbox": sandbox.value, **per_node, "review": list(review or [])},
     }
 
 

@@ -24,6 +24,7 @@ from grader.report.summary import (
     per_test_table,
 )
 from grader.report.timeline import terminal_table, timelines_of
+from grader.sandbox import Level
 
 
 def progress_bar(console: Console, label: str) -> Progress:
@@ -72,7 +73,7 @@ def print_summary(
     console: Console,
     results: list[GradedResult],
     seconds: float,
-    sandbox: str = "none",
+    sandbox: Level = Level.NONE,
     review: list[str] | None = None,
     verbose: bool = False,
 ) -> None:
@@ -90,7 +91,7 @@ def print_summary(
         console.print("[bold]For a TA to look at[/] (no effect on the score):")
         for line in review[:20]:
             console.print(f"  {_shown(line)}", highlight=False)
-    console.print(f"[dim]student code isolated by: {escape(sandbox)}[/]")
+    console.print(f"[dim]student code isolated by: {escape(sandbox.value)}[/]")
     points = Points.of(results)
     passed = sum(r.verdict.passed for r in results)
     partial = sum(is_partial(r) for r in results)

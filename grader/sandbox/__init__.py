@@ -141,20 +141,23 @@ def _prctl(option: int, value: int) -> None:
         raise OSError(ctypes.get_errno(), f"prctl({option}, {value})")
 
 
-def requested(request: str = "auto") -> str:
-    """The level asked for: ``request``, or with ``auto`` ``$GRADER_SANDBOX``, checked."""
+def requested(request: str = "auto") -> Level | None:
+    """The level asked for on the command line (``request``), or with ``auto`` in
+    ``$GRADER_SANDBOX``; None: the strongest there is. A SandboxError of one line if unknown."""
     if request == "auto":
         request = os.environ.get(ENV_VAR, "auto") or "auto"
-    if request != "auto" and request not in {lv.value for lv in Level}:
+    if request == "auto":
+        return None
+    try:
+        return Level(request)
+    except ValueError:
         choices = "auto, " + ", ".join(lv.value for lv in Level)
-        raise SandboxError(f"unknown sandbox level {request!r} (choose {choices})")
-    return request
+        raise SandboxError(f"unknown sandbox level {request!r} (choose {choices})") from None
 
 
-def candidates(request: str = "auto") -> list[Level]:
-    """The levels to try, strongest first: the one asked for, or with ``auto`` every one."""
-    name = requested(request)
-    return list(Level) if name == "auto" else [Level(name)]
+def candidates(request: Level | None = None) -> list[Level]:
+    """The levels to try, strongest first: the one asked for, or with None every one."""
+    return list(Level) if request is None else [request]
 
 
 @functools.cache
@@ -201,7 +204,7 @@ def walled(level: Level) -> bool:
     return level is Level.UID
 
 
-def detect(request: str = "auto") -> Level:
+def detect(request: Level | None = None) -> Level:
     """The strongest level asked for that this machine offers, by :func:`unavailable`."""
     reasons = []
     for level in candidates(request):

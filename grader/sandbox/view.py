@@ -19,6 +19,7 @@ from pathlib import Path
 
 from grader.course import config as course
 from grader.course.secret import secret_path
+from grader.device import Device
 from grader.sandbox.landlock import DEVICE, READ, Access, Rule
 
 # What the ranks see of the machine's root: the system, nothing else (another checkout of the
@@ -73,14 +74,14 @@ _GPU_DEVICES = ("/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools", "/
 _GPU_READ = ("/proc/driver/nvidia", "/sys/bus/pci", "/sys/devices")
 
 
-def allowed(readable: list[Path], device: str = "cpu") -> list[Rule]:
+def allowed(readable: list[Path], device: Device = Device.CPU) -> list[Rule]:
     """A rank's allow-list, but for its scratch and process: the system's libraries, the
     interpreter (:func:`interpreter_files`), the ``readable`` folders (the grader's rank
     side, the job's submission), a few devices."""
     rules = [Rule(p, READ) for p in (*_SYSTEM_READ, *map(str, interpreter_files()))]
     rules += [Rule(str(p), READ) for p in readable]
     rules += [Rule(p, DEVICE) for p in _DEVICES]
-    if device == "cuda":
+    if device is Device.CUDA:
         gpus = sorted(str(p) for p in Path("/dev").glob("nvidia[0-9]*"))
         rules += [Rule(p, DEVICE | Access.IOCTL_DEV) for p in (*_GPU_DEVICES, *gpus)]
         rules += [Rule(p, READ) for p in _GPU_READ]

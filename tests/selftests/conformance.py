@@ -86,12 +86,13 @@ def _show(t: torch.Tensor) -> str:
 def on_broker(names: list[str], world: int, work: Path) -> dict[str, Outcome]:
     from grader import failures, sandbox
     from grader.course.submission import stage
+    from grader.device import Device
     from grader.launch.job import job_settings
     from grader.launch.world import CallLimits, RankPool
     from grader.protocol import CallRequest
 
     stage(TABLE, work / "import")
-    pool = RankPool(world, job_settings(work, sandbox.Level.NONE, "cpu"))
+    pool = RankPool(world, job_settings(work, sandbox.Level.NONE, Device.CPU))
     outcomes = {}
     try:
         for name in names:

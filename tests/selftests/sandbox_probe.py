@@ -308,7 +308,7 @@ def serve(server: socket.socket) -> None:
 
 def _available(level: Level) -> str | None:
     try:
-        sandbox.detect(level.value)
+        sandbox.detect(level)
     except SandboxError as exc:
         return str(exc)
     return None

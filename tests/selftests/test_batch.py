@@ -307,7 +307,7 @@ def test_each_student_is_told_with_the_progress_and_the_level_passes_through(
     gradebook is there after each student (an interrupted batch leaves one)."""
     from grader import sandbox
 
-    level = sandbox.detect().value
+    level = sandbox.detect(sandbox.requested()).value
     out = tmp_path / "out"
     done = batch(submissions, "--out", out, "--sandbox", level, *SELECTION)
     assert done.returncode == 0, done.stdout + done.stderr

@@ -22,6 +22,7 @@ from runner import SUBMISSIONS
 
 from grader import sandbox
 from grader.course.submission import stage
+from grader.device import Device
 from grader.launch.job import job_settings
 from grader.launch.world import CallLimits, RankPool
 from grader.protocol import CallRequest
@@ -46,7 +47,7 @@ def gloo(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
 def broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[dict[str, Any]]]:
     work = tmp_path_factory.mktemp("forms")
     stage(FORMS, work / "import")
-    pool = RankPool(P, job_settings(work, sandbox.Level.NONE, "cpu"))
+    pool = RankPool(P, job_settings(work, sandbox.Level.NONE, Device.CPU))
     try:
         out = pool.call(CallRequest(P, "forms.run_forms", [()] * P), CallLimits(timeout=60))
         yield out.returned

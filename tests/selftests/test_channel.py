@@ -218,7 +218,7 @@ def test_a_ready_node_gets_the_job_and_its_level_is_kept(head: Head) -> None:
 def test_a_node_refuses_a_head_that_asks_for_a_weaker_sandbox(monkeypatch, capsys) -> None:
     """The issue's `run` at level `none`, from the real head this time: a node that would
     use a sandbox refuses it, in one line, and the head hears why."""
-    own = sandbox.detect("auto")
+    own = sandbox.detect()
     if own is sandbox.Level.NONE:
         pytest.skip("this machine has no sandbox level above none")
     monkeypatch.setenv("GRADER_SECRET", "the course's secret")
@@ -234,6 +234,26 @@ def test_a_node_refuses_a_head_that_asks_for_a_weaker_sandbox(monkeypatch, capsy
             f"--sandbox {own.value}, or this node with --sandbox none)\n"
         )
         with pytest.raises(NodesError, match="node 1: the head asks for sandbox level 'none'"):
+            head.wait_for_nodes(timeout=10)
+    finally:
+        head.finish()
+
+
+def test_a_node_refuses_a_head_that_names_an_unknown_device(monkeypatch, capsys) -> None:
+    """The device of a head's ``run`` is read as a :class:`grader.device.Device` before any
+    job: a value the grader does not know is refused in one line, and the head hears why."""
+    own = sandbox.detect()
+    monkeypatch.setenv("GRADER_SECRET", "the course's secret")
+    nodes = Nodes(2, 0, "localhost", _free_port())
+    run = Frame({"type": protocol.RUN, "level": own.value, "device": "tpu"}, [b""])
+    head = Head(nodes, node_key(), 4, run)
+    try:
+        assert lend_ranks(Nodes(2, 1, "localhost", nodes.port)) == 2
+        complaint = capsys.readouterr().err
+        assert complaint == (
+            "grader: error: the head's run: unknown device 'tpu' (choose cpu, cuda)\n"
+        )
+        with pytest.raises(NodesError, match="node 1: the head's run: unknown device 'tpu'"):
             head.wait_for_nodes(timeout=10)
     finally:
         head.finish()

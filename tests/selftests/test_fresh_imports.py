@@ -19,6 +19,7 @@ from runner import SUBMISSIONS
 
 from grader import sandbox
 from grader.course.submission import stage
+from grader.device import Device
 from grader.launch.job import job_settings
 from grader.launch.world import CallLimits, RankPool, World
 
@@ -34,7 +35,7 @@ def work(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def pool(work: Path) -> Iterator[RankPool]:
     stage(SUBMISSIONS / "state_between_tests", work / "import")
-    pool = RankPool(2, job_settings(work, sandbox.detect("auto"), "cpu"))
+    pool = RankPool(2, job_settings(work, sandbox.detect(), Device.CPU))
     yield pool
     pool.close()
 

@@ -242,5 +242,5 @@ def test_doctor_names_each_level_and_its_fix(tmp_path: Path) -> None:
         assert done.returncode == 2 and "cannot run here" in lines[3]
     graded = run_grader([*CONFIG, "run", "collectives", "-k", "all_reduce", "--world-size", "1"])
     first = graded.stdout.splitlines()[0]
-    level = sandbox.detect()
+    level = sandbox.detect(sandbox.requested())
     assert f", sandbox {level.value}" in first, first

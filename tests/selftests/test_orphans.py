@@ -75,6 +75,7 @@ from grader import sandbox
 from grader.launch import orphans
 from grader.launch.job import job_settings
 from grader.launch.workspace import probe
+from grader.device import Device
 
 orphans.adopt()
 work = Path(tempfile.mkdtemp(prefix="grader-"))
@@ -87,7 +88,7 @@ def reap():  # another job's end, over and over, while the probe runs
 reaper = threading.Thread(target=reap)
 reaper.start()
 try:
-    why = probe(job_settings(work, sandbox.Level.NONE, "cpu"))
+    why = probe(job_settings(work, sandbox.Level.NONE, Device.CPU))
 finally:
     stop.set()
     reaper.join()

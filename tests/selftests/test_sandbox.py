@@ -230,16 +230,19 @@ def test_uid_rank_starts_no_daemon_and_dies_with_torchrun(world: World) -> None:
 
 
 def test_detect_honours_requests_or_says_why(monkeypatch: pytest.MonkeyPatch) -> None:
-    assert sandbox.detect("none") is Level.NONE
+    assert sandbox.detect(sandbox.requested("none")) is Level.NONE
     monkeypatch.setenv(sandbox.ENV_VAR, "none")
-    assert sandbox.detect() is Level.NONE
-    with pytest.raises(SandboxError, match="unknown sandbox level"):
-        sandbox.detect("chroot")
+    assert sandbox.requested() is Level.NONE and sandbox.requested("auto") is Level.NONE
+    assert sandbox.detect(sandbox.requested()) is Level.NONE
+    monkeypatch.setenv(sandbox.ENV_VAR, "auto")
+    assert sandbox.requested() is None
+    with pytest.raises(SandboxError, match="unknown sandbox level 'chroot'"):
+        sandbox.requested("chroot")
     monkeypatch.setattr(sandbox.shutil, "which", lambda _: None)
     sandbox.unavailable.cache_clear()
     try:
         with pytest.raises(SandboxError, match="bwrap is not installed"):
-            sandbox.detect("namespaces")
+            sandbox.detect(Level.NAMESPACES)
     finally:
         sandbox.unavailable.cache_clear()
 

@@ -21,6 +21,7 @@ from runner import SUBMISSIONS
 
 from grader import failures, sandbox, wire
 from grader.course.submission import stage
+from grader.device import Device
 from grader.launch.job import job_settings
 from grader.launch.world import CallLimits, RankPool
 from grader.protocol import CallRequest
@@ -239,8 +240,8 @@ def test_a_payload_never_straddles_the_end_of_the_ring() -> None:
 def pool(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RankPool]:
     work = tmp_path_factory.mktemp("segment")
     stage(SUBMISSIONS / "segment_attacks", work / "import")
-    level = sandbox.detect("auto")
-    pool = RankPool(2, job_settings(work, level, "cpu"))
+    level = sandbox.detect()
+    pool = RankPool(2, job_settings(work, level, Device.CPU))
     yield pool
     pool.close()
 
@@ -328,7 +329,7 @@ def test_a_rank_cannot_resize_its_segment(pool: RankPool) -> None:
 def test_no_segment_outlives_its_job(tmp_path: Path) -> None:
     stage(SUBMISSIONS / "segment_attacks", tmp_path / "import")
     shm_before, before = set(os.listdir("/dev/shm")), _segments_here()
-    pool = RankPool(2, job_settings(tmp_path, sandbox.detect("auto"), "cpu"))
+    pool = RankPool(2, job_settings(tmp_path, sandbox.detect(), Device.CPU))
     try:
         pool.call(CallRequest(2, "collectives.rewrite_after_send", [(1024,)] * 2), LIMITS)
         made = [s for s in _segments_here() if s not in before]

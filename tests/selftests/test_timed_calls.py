@@ -18,6 +18,7 @@ from grader import sandbox
 from grader.broker import accounting
 from grader.broker.traffic import RankWork
 from grader.course.submission import stage
+from grader.device import Device
 from grader.launch.job import job_settings
 from grader.launch.world import CallLimits, RankPool, World
 
@@ -34,7 +35,7 @@ def test_only_a_timed_call_reads_the_ranks_clocks(
     read = accounting.Meter.read
     monkeypatch.setattr(accounting.Meter, "read", lambda self: reads.append(1) or read(self))
     stage(REPO / "reference", tmp_path / "import")
-    pool = RankPool(2, job_settings(tmp_path, sandbox.Level.NONE, "cpu"))
+    pool = RankPool(2, job_settings(tmp_path, sandbox.Level.NONE, Device.CPU))
     try:
         world = World(2, pool, CallLimits(timeout=60))
         args = [(torch.full((1000,), float(r)),) for r in range(2)]
@@ -54,7 +55,7 @@ def test_a_frame_begun_before_a_timed_call_leaves_it_measured(tmp_path: Path, na
     """A rank that sends the first bytes of a frame before a timed call starts, and the rest
     once it runs, is measured all the same: its 0.3 s of CPU a call are charged."""
     stage(SUBMISSIONS / "accounting_attacks", tmp_path / "import")
-    pool = RankPool(2, job_settings(tmp_path, sandbox.Level.NONE, "cpu"))
+    pool = RankPool(2, job_settings(tmp_path, sandbox.Level.NONE, Device.CPU))
     try:
         world = World(2, pool, CallLimits(timeout=60))
         world.call(f"collectives.{name}", [(0.0,)] * 2)  # untimed: no clock read
@@ -94,7 +95,7 @@ def _timed_twice(tmp_path: Path, name: str, seconds: float) -> list[RankWork]:
     """Rank 0's and rank 1's local work in the second of two timed calls of
     ``accounting_attacks``' ``name``."""
     stage(SUBMISSIONS / "accounting_attacks", tmp_path / "import")
-    pool = RankPool(2, job_settings(tmp_path, sandbox.Level.NONE, "cpu"))
+    pool = RankPool(2, job_settings(tmp_path, sandbox.Level.NONE, Device.CPU))
     try:
         world = World(2, pool, CallLimits(timeout=60))
         world.call(f"collectives.{name}", [(0.0,)] * 2)  # untimed: the job's start, the import

@@ -44,3 +44,39 @@ def test_every_file_and_submission_trust_md_names_exists() -> None:
     assert not [p for p in paths if not (REPO / p).exists()], "named in docs/trust.md: missing"
     submissions = set(re.findall(r"`((?:attack|coll|dp|zero|tp|pp|fsdp|ep|cp)_\w+)`", TRUST))
     assert not [s for s in submissions if not (SUBMISSIONS / s).is_dir()]
+
+
+#: A sentence ends at ``.``, ``!`` or ``?`` before a capital, a backtick or a bracket.
+SENTENCE_END = re.compile(r"(?<=[.!?])\s+(?=[A-Z`(\"\[])")
+
+
+def prose() -> list[str]:
+    """The doc's text outside code blocks, as paragraphs, list items, headings and table
+    cells (a table's separator rows left out): what a reader reads."""
+    chunks: list[str] = []
+    paragraph: list[str] = []
+    in_code = False
+    for line in [*TRUST.splitlines(), ""]:
+        in_code ^= line.startswith("```")
+        starts = not line.strip() or line.startswith(("#", "- ", "|", "```"))
+        if (starts or in_code) and paragraph:
+            chunks.append(" ".join(paragraph))
+            paragraph = []
+        if in_code or line.startswith("```") or not line.strip():
+            continue
+        if line.startswith("|"):
+            cells = [c.strip() for c in line.strip().strip("|").split("|")]
+            chunks += [c for c in cells if c and not set(c) <= set("-: ")]
+        else:
+            paragraph.append(line.lstrip("#- ").strip())
+    return chunks
+
+
+def test_trust_md_is_read_in_minutes() -> None:
+    """At most 2500 words, and no sentence over 50: a newcomer reads it in ten minutes."""
+    chunks = prose()
+    words = sum(len(chunk.split()) for chunk in chunks)
+    sentences = [s for chunk in chunks for s in SENTENCE_END.split(chunk)]
+    longest = max(sentences, key=lambda s: len(s.split()))
+    assert words <= 2500, f"docs/trust.md has {words} words: at most 2500"
+    assert len(longest.split()) <= 50, f"a sentence of {len(longest.split())} words: {longest}"

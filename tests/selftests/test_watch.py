@@ -51,7 +51,8 @@ class Terminal:
 
 
 @pytest.mark.skipif(
-    sandbox.detect() is sandbox.Level.NONE, reason="unsandboxed ranks share the host's /tmp"
+    sandbox.detect(sandbox.requested()) is sandbox.Level.NONE,
+    reason="unsandboxed ranks share the host's /tmp",
 )
 def test_watch_regrades_each_save_on_fresh_ranks_and_ctrl_c_leaves_nothing(tmp_path: Path):
     submission = materialize("watch_remembers", tmp_path)  # the reference, remembering
