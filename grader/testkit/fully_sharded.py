@@ -284,7 +284,7 @@ class Observed:
         """The record of ``tree``, a rank's return for ``steps`` steps of a model whose
         parameters are ``names``; ProtocolError unless it has exactly that structure."""
         if not isinstance(tree, dict):
-            raise ProtocolError(f"a {kind(tree)}, not a dict of {', '.join(FIELDS)}")
+            raise ProtocolError(f"{kind(tree)}, not a dict of {', '.join(FIELDS)}")
         if problem := keys_problem(tree, FIELDS, "fields"):
             raise ProtocolError(problem)
         return cls(
@@ -298,9 +298,9 @@ class Observed:
 def _full(value: Any) -> dict[str, Tensor] | None:
     """None, or tensors by name (any names: the test says which are missing)."""
     if value is not None and not isinstance(value, dict):
-        raise ProtocolError(f"full is a {kind(value)}, not None or a dict")
+        raise ProtocolError(f"full is {kind(value)}, not None or a dict")
     if value is not None and (wrong := [v for v in value.values() if not isinstance(v, Tensor)]):
-        raise ProtocolError(f"full holds a {kind(wrong[0])} where a tensor is due")
+        raise ProtocolError(f"full holds {kind(wrong[0])} where a tensor is due")
     return value
 
 

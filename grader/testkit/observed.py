@@ -47,13 +47,13 @@ def per_step(
     """``count`` dicts keyed by ``names``, each value through ``read`` (which raises
     ValueError on a value of another kind)."""
     if not isinstance(value, list):
-        raise ProtocolError(f"{field} is a {kind(value)}, not a list")
+        raise ProtocolError(f"{field} is {kind(value)}, not a list")
     if len(value) != count:
         raise ProtocolError(f"{field} holds {len(value)} entries, not {count}")
     out = []
     for i, step in enumerate(value):
         if not isinstance(step, dict):
-            raise ProtocolError(f"{field}[{i}] is a {kind(step)}, not a dict")
+            raise ProtocolError(f"{field}[{i}] is {kind(step)}, not a dict")
         if problem := keys_problem(step, names, "the model's parameters"):
             raise ProtocolError(f"{field}[{i}] {problem}")
         try:
@@ -76,7 +76,7 @@ def keys_problem(tree: dict[str, Any], names: Collection[str], what: str) -> str
 def read_tensor_or_none(value: Any) -> Tensor | None:
     """``value`` if a tensor or None; ValueError otherwise."""
     if value is not None and not isinstance(value, Tensor):
-        raise ValueError(f"a {kind(value)} where a tensor or None is due")
+        raise ValueError(f"{kind(value)} where a tensor or None is due")
     return value
 
 
@@ -85,13 +85,17 @@ def read_shape(value: Any) -> tuple[int, ...]:
     if not isinstance(value, list | tuple) or not all(
         isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in value
     ):
-        raise ValueError(f"a {kind(value)} where a shape is due")
+        raise ValueError(f"{kind(value)} where a shape is due")
     return tuple(value)
 
 
 def kind(value: Any) -> str:
-    """The type of a decoded value, for a message (a wire type's name: never the rank's text)."""
-    return type(value).__name__
+    """The type of a decoded value with its article, for a message ("an int", "a str"): a
+    wire type's name, never the rank's text."""
+    if value is None:
+        return "None"
+    name = type(value).__name__
+    return f"{'an' if name[0] in 'aeiou' else 'a'} {name}"
 
 
 # -- readers composed into a record: each raises ValueError naming what it found, the path of
@@ -101,7 +105,7 @@ def kind(value: Any) -> str:
 def read_fields(tree: Any, names: Collection[str]) -> dict[str, Any]:
     """``tree``, a dict whose keys are exactly ``names``; ProtocolError otherwise."""
     if not isinstance(tree, dict):
-        raise ProtocolError(f"a {kind(tree)}, not a dict of {', '.join(names)}")
+        raise ProtocolError(f"{kind(tree)}, not a dict of {', '.join(names)}")
     if problem := keys_problem(tree, names, "fields"):
         raise ProtocolError(problem)
     return tree
@@ -138,7 +142,7 @@ def list_of(read: Callable[[Any], T], count: int | None = None) -> Callable[[Any
 
     def read_list(value: Any) -> tuple[T, ...]:
         if not isinstance(value, list | tuple):
-            raise ValueError(f"a {kind(value)} where a list is due")
+            raise ValueError(f"{kind(value)} where a list is due")
         if count is not None and len(value) != count:
             raise ValueError(f"{len(value)} entries, not {count}")
         out = []
@@ -158,7 +162,7 @@ def dict_of(read: Callable[[Any], T]) -> Callable[[Any], dict[str, T]]:
 
     def read_dict(value: Any) -> dict[str, T]:
         if not isinstance(value, dict):
-            raise ValueError(f"a {kind(value)} where a dict is due")
+            raise ValueError(f"{kind(value)} where a dict is due")
         return {str(name): read(v) for name, v in value.items()}
 
     return read_dict
@@ -167,21 +171,21 @@ def dict_of(read: Callable[[Any], T]) -> Callable[[Any], dict[str, T]]:
 def read_tensor(value: Any) -> Tensor:
     """``value`` if a tensor; ValueError otherwise."""
     if not isinstance(value, Tensor):
-        raise ValueError(f"a {kind(value)} where a tensor is due")
+        raise ValueError(f"{kind(value)} where a tensor is due")
     return value
 
 
 def read_bool(value: Any) -> bool:
     """``value`` if a bool; ValueError otherwise."""
     if not isinstance(value, bool):
-        raise ValueError(f"a {kind(value)} where a bool is due")
+        raise ValueError(f"{kind(value)} where a bool is due")
     return value
 
 
 def read_index(value: Any) -> int:
     """``value`` if an int of at least 0 (not a bool); ValueError otherwise."""
     if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-        raise ValueError(f"a {kind(value)} where an index is due")
+        raise ValueError(f"{kind(value)} where an index is due")
     return value
 
 
@@ -189,7 +193,7 @@ def read_text(value: Any) -> str:
     """``value`` if a str, made safe to show on one line (:func:`~grader.protocol.clean`, its
     whitespace one space); else ValueError."""
     if not isinstance(value, str):
-        raise ValueError(f"a {kind(value)} where a str is due")
+        raise ValueError(f"{kind(value)} where a str is due")
     return " ".join(clean(value, 200).split())
 
 
@@ -202,5 +206,5 @@ def read_type_name(value: Any) -> str:
     """The name of the type a student's function returned, as the scenario reports it (an
     identifier, which a message may quote); ValueError otherwise."""
     if not isinstance(value, str) or not value.isidentifier() or len(value) > 64:
-        raise ValueError(f"a {kind(value)} where a type's name is due")
+        raise ValueError(f"{kind(value)} where a type's name is due")
     return value

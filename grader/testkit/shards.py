@@ -39,7 +39,7 @@ DTYPE_NAMES = frozenset(
 def read_dtype_name(value: Any) -> str:
     """``value`` if the name of a torch dtype (``torch.float64``) or "none"; else ValueError."""
     if not isinstance(value, str) or value not in DTYPE_NAMES:
-        raise ValueError(f"a {kind(value)} where a dtype's name is due")
+        raise ValueError(f"{kind(value)} where a dtype's name is due")
     return value
 
 

@@ -304,7 +304,7 @@ FORGERIES: dict[str, tuple[Callable[[dict], Any], str]] = {
     "a field more": (setting(extra=1), "holds 1 key(s) that are not fields"),
     "a string for a gradient": (setting(dq="x"), "dq holds a str where a tensor or None is due"),
     "a list for the output": (setting(output=[1.0]), "output holds a list where a tensor or None"),
-    "a number for differentiable": (setting(differentiable=1), "holds a int where a bool is due"),
+    "a number for differentiable": (setting(differentiable=1), "holds an int where a bool is due"),
     "a sentence for a type's name": (
         setting(output_type="Tensor; full marks"),
         "output_type holds a str where a type's name is due",

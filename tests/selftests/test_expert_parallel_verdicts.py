@@ -288,7 +288,7 @@ FORGERIES: dict[str, tuple[Callable[[dict], Any], str]] = {
         setting(grads={"router.weight": "full marks"}),
         "grads holds a str where a tensor or None is due",
     ),
-    "no type's name": (setting(output_type=None), "output_type holds a NoneType where a type's"),
+    "no type's name": (setting(output_type=None), "output_type holds None where a type's"),
 }
 
 

@@ -113,7 +113,7 @@ FORGERIES = {  # (record, forgery, what the message says)
     ),
     "dp a None parameter": ("dp.train", put(("params", 0, "embed.weight"), None), "params[0]"),
     "dp trained with a module named": ("dp.train", put(("module",), "Net"), "module names"),
-    "dp a module of another kind": ("dp.train", put((), {"module": 3}), "module holds a int"),
+    "dp a module of another kind": ("dp.train", put((), {"module": 3}), "module holds an int"),
     "dp an empty module": ("dp.train", put((), {"module": ""}), "module is empty"),
     "dp overlap a dict": ("dp.overlap", put((), {}), "grads holds a dict where a list is due"),
     "dp overlap an iteration more": ("dp.overlap", put((), [{}] * 3), "3 entries, not 2"),
@@ -126,17 +126,17 @@ FORGERIES = {  # (record, forgery, what the message says)
         "float64_dtypes[0] holds a str where a dtype's name is due",
     ),
     "tp a dtype short": ("tp.shard", drop("float64_dtypes", 1), "1 entries, not 2"),
-    "tp no linear weight": ("tp.shard", put(("linear_weight",), None), "linear_weight holds a"),
+    "tp no linear weight": ("tp.shard", put(("linear_weight",), None), "linear_weight holds None"),
     "tp a layer without output": ("tp.layer", drop("output"), "lacks output"),
     "tp a string output": ("tp.layer", put(("output",), "y"), "output holds a str"),
     "tp a type of another kind": ("tp.region", put(("output_type",), 1), "output_type holds"),
     "tp a shard a string": ("tp.mlp_shards", put(("fc2",), "x"), "a str, not a dict of"),
     "tp has_column a string": ("tp.mlp", put(("has_column",), "yes"), "has_column holds a str"),
     "tp an mlp gradient missing": ("tp.mlp", drop("fc2 bias"), "lacks fc2 bias"),
-    "tp construct a number": ("tp.construct", put((), 3), "what it raised holds a int"),
+    "tp construct a number": ("tp.construct", put((), 3), "what it raised holds an int"),
     "pp a string loss": ("pp.step", put(("loss",), "0.5"), "loss holds a str"),
     "pp grads a list": ("pp.step", put(("grads",), [T]), "grads holds a list where a dict"),
-    "pp requires_grad a number": ("pp.step", put(("loss_requires_grad",), 0), "holds a int"),
+    "pp requires_grad a number": ("pp.step", put(("loss_requires_grad",), 0), "holds an int"),
 }
 
 
@@ -180,7 +180,7 @@ def test_a_malformed_return_is_the_ranks_broken_protocol_in_one_line() -> None:
 
 def test_the_path_into_nested_lists_is_named_and_text_is_cleaned() -> None:
     read = list_of(list_of(read_text, 2))
-    with pytest.raises(ProtocolError, match=r"^x\[1\]\[0\] holds a int where a str is due$"):
+    with pytest.raises(ProtocolError, match=r"^x\[1\]\[0\] holds an int where a str is due$"):
         read_value([["a", "b"], [3, "c"]], "x", read)
     assert read_text("a\x1b[31mb\n\tc") == "ab c"
     with pytest.raises(CommunicationError, match="rank 0: s returned a malformed observation"):
