@@ -87,8 +87,8 @@ def foreign_problem(events: list[Event], rank: int) -> str | None:
             continue
         if e.op in (OpName.SEND, OpName.RECV) and e.peer in (rank - 1, rank + 1):
             continue
-        did = f"called {e.op}" if e.peer < 0 else f"{e.op} {'to' if e.op == 'send' else 'from'}"
-        did = did if e.peer < 0 else f"{did} stage {e.peer}"
+        way = "to" if e.op == OpName.SEND else "from"
+        did = f"called {e.op}" if e.peer < 0 else f"{e.op} {way} stage {e.peer}"
         return (
             f"stage {rank} {did}{RECORD}: a pipeline stage sends activations to the next "
             "stage and gradients back to the previous one, and nothing else"
