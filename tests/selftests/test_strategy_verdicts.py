@@ -424,10 +424,10 @@ def test_a_forged_tp_observation_earns_nothing(grade) -> None:
         for v in (False, True)
     }
     for f in ("copy_to", "reduce_from", "gather_from", "scatter_to"):
-        region = malformed.format("region_forward_backward", "output_type holds a int")
+        region = malformed.format("region_forward_backward", "output_type holds an int")
         said[f"region_function[{f}_parallel_region]"] = region
     said["parallel_mlp"] = malformed.format("mlp_forward_backward", "has_column holds a str")
     for layer in ("ColumnParallelLinear", "RowParallelLinear"):
-        construct = malformed.format("construct", "what it raised holds a int")
+        construct = malformed.format("construct", "what it raised holds an int")
         said[f"indivisible_dimension[{layer}]"] = construct
     forged_observations_fail(graded, TP, said)
