@@ -161,10 +161,10 @@ class _Cast(nn.Module):
         return weight.to(self.dtype)
 
 
-def _model(dtype: str, p: int) -> nn.Module:
-    """The model at its initial state at world size ``p``, cast where FSDP casts to ``dtype``,
-    with the factors."""
-    net = build(initial_state(p))
+def _model(dtype: str, p: int, start: int | None = None) -> nn.Module:
+    """The model at its initial state at world size ``p`` (or as rank ``start`` is handed
+    it), cast where FSDP casts to ``dtype``, with the factors."""
+    net = build(initial_state(p) if start is None else rank_state(p, start))
     compute = DTYPES[dtype]
     if compute is not None:
         for name in SHARDED:
@@ -182,10 +182,11 @@ def _model(dtype: str, p: int) -> nn.Module:
     return net
 
 
-def oracle(optimizer_name: str, dtype: str, p: int) -> dict[str, Any]:
-    """One process, the whole batch, from world size ``p``'s initial state: the parameters
-    before each step, the gradients at each step and the final parameters."""
-    net = _model(dtype, p)
+def oracle(optimizer_name: str, dtype: str, p: int, start: int | None = None) -> dict[str, Any]:
+    """One process, the whole batch, from world size ``p``'s initial state (or from the state
+    rank ``start`` is handed: what every rank trains if that rank's module is broadcast): the
+    parameters before each step, the gradients at each step and the final parameters."""
+    net = _model(dtype, p, start)
     params = dict(_plain_names(net))
     opt = optimizer(optimizer_name, list(params.values()))
     for group in opt.param_groups:
@@ -225,12 +226,12 @@ def _plain_names(net: nn.Module) -> list[tuple[str, nn.Parameter]]:
     return out
 
 
-_ORACLES: dict[tuple[str, str, int], dict[str, Any]] = {}
+_ORACLES: dict[tuple[str, str, int, int | None], dict[str, Any]] = {}
 
 
-def expected(optimizer_name: str, dtype: str, p: int) -> dict[str, Any]:
-    """:func:`oracle`, computed once per optimizer, dtype and world size."""
-    key = (optimizer_name, dtype, p)
+def expected(optimizer_name: str, dtype: str, p: int, start: int | None = None) -> dict[str, Any]:
+    """:func:`oracle`, computed once per optimizer, dtype, world size and start."""
+    key = (optimizer_name, dtype, p, start)
     if key not in _ORACLES:
         _ORACLES[key] = oracle(*key)
     return _ORACLES[key]
