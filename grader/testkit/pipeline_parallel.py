@@ -18,13 +18,17 @@ from grader.testkit.observed import (
     or_none,
     read_bool,
     read_every_rank,
-    read_field,
-    read_fields,
+    read_record,
     read_tensor,
     read_text,
 )
 
-FIELDS = ("loss_type", "loss", "loss_requires_grad", "grads")
+FIELDS = {  # each field of the record, and its reader
+    "loss_type": read_text,
+    "loss": or_none(read_tensor),
+    "loss_requires_grad": read_bool,
+    "grads": dict_of(or_none(read_tensor)),
+}
 
 
 @dataclass(frozen=True)
@@ -41,13 +45,7 @@ class Stepped:
     @classmethod
     def read(cls, tree: Any) -> Stepped:
         """The record of ``tree``; ProtocolError unless it has exactly that structure."""
-        read_fields(tree, FIELDS)
-        return cls(
-            read_field(tree, "loss_type", read_text),
-            read_field(tree, "loss", or_none(read_tensor)),
-            read_field(tree, "loss_requires_grad", read_bool),
-            read_field(tree, "grads", dict_of(or_none(read_tensor))),
-        )
+        return cls(**read_record(tree, FIELDS))
 
 
 def steps(returned: Sequence[Any], case: str) -> list[Stepped]:

@@ -28,9 +28,8 @@ from grader.testkit.data import generator
 from grader.testkit.observed import (
     list_of,
     read_every_rank,
-    read_field,
-    read_fields,
     read_index,
+    read_record,
     read_tensor,
 )
 from grader.tolerances import FLOAT64_ORACLE
@@ -173,11 +172,11 @@ class Stepped:
     def read(cls, tree: Any, steps: int, count: int) -> Stepped:
         """The record of ``tree``, a rank's return for ``steps`` steps of ``count`` parameters;
         ProtocolError unless it has exactly that structure."""
-        read_fields(tree, ("params", "kept"))
-        return cls(
-            read_field(tree, "params", list_of(list_of(read_tensor, count), steps)),
-            read_field(tree, "kept", list_of(list_of(read_index), steps)),
-        )
+        fields = {
+            "params": list_of(list_of(read_tensor, count), steps),
+            "kept": list_of(list_of(read_index), steps),
+        }
+        return cls(**read_record(tree, fields))
 
 
 def stepped(returned: Sequence[Any], steps: int, count: int, case: str) -> list[Stepped]:
