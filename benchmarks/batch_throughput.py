@@ -1,29 +1,41 @@
 """Students per hour: 8 submissions graded by a ``grader run`` each, and by ``grader batch``.
 
-    python benchmarks/batch_throughput.py [--rounds 1] [SELECTION ...]
+    python benchmarks/batch_throughput.py [--rounds N] [--sandbox LEVEL] [--before REV] [SELECTION]
     python benchmarks/batch_throughput.py collectives -k all_reduce     # the default
+    python benchmarks/batch_throughput.py --sandbox uid --before 84b7f09
 
 Eight students: four copies of the reference and four broken submissions of
 ``tests/selftests/submissions`` (a wrong answer, a deadlock, a syntax error, a naive
-all-reduce). Each round grades them twice, side by side on this machine as it is:
+all-reduce). Each round grades them with every path, side by side on this machine as it is:
 one ``grader run --submission S --results F`` after another (how a batch graded each
 student before its workers: every student paid the grader's start-up, the sandbox's probe
-and the reference's job), and one ``grader batch --jobs 1`` (its workers pay them once).
-The two orders alternate from round to round, so that neither always meets the machine
-first. Prints each path's students per hour, and whether every student's verdicts are
-identical test by test (outcome and points): the speed must change nothing else.
+and the reference's job), and one ``grader batch --jobs 1`` (its workers pay them once);
+with ``--before REV``, also the ``grader batch`` of that revision of this repository (a
+worktree of it, with its own course), the path a course had then. The paths' order turns
+from round to round, so that none always meets the machine first.
+
+``--sandbox``: the level every path grades at (``$GRADER_SANDBOX``, which every revision's
+batch hands its runs). At ``uid``, the level a course deploys, each grader runs on
+``$GRADER_UID_PYTHON`` (default ``/opt/grader-venv/bin/python``: an interpreter every uid
+may run) with a copy of its course made unreadable to others, as the deployment asks.
+
+Prints each path's students per hour, the ratios to the first path, and whether every
+student's verdicts are identical test by test (outcome and points) on every path: the
+speed must change nothing else.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import subprocess
 import sys
 import tempfile
 import time
-from functools import partial
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -32,6 +44,37 @@ from runner import materialize  # noqa: E402 - the self-tests' helper, found abo
 
 BROKEN = ("coll_wrong", "coll_deadlock_all", "coll_syntax", "coll_unusual")
 DEFAULT_SELECTION = ["collectives", "-k", "all_reduce"]
+UID_PYTHON = os.environ.get("GRADER_UID_PYTHON", "/opt/grader-venv/bin/python")
+COURSE = ("reference", "assignments", "tests/graded")
+
+
+@dataclass(frozen=True)
+class Grader:
+    """One checkout's grader, as a path runs it: its interpreter, folder and environment."""
+
+    checkout: Path
+    python: str
+    env: dict[str, str]
+
+    def command(self, *args: str) -> list[str]:
+        return [self.python, "-m", "grader", *args]
+
+    def run(self, args: list[str]) -> None:
+        env = {**os.environ, "PYTHONPATH": str(self.checkout), **self.env}
+        subprocess.run(self.command(*args), cwd=self.checkout, env=env, capture_output=True)
+
+
+def grader_of(checkout: Path, level: str, scratch: Path) -> Grader:
+    """The grader of ``checkout`` at ``level`` (``auto``: the strongest here); at ``uid`` on
+    its course copied into ``scratch``, unreadable to others."""
+    if level != "uid":
+        return Grader(checkout, sys.executable, {"GRADER_SANDBOX": level})
+    course = scratch / "course"
+    for name in COURSE:
+        shutil.copytree(checkout / name, course / name)
+    subprocess.run(["chmod", "-R", "o-rwx", str(course)], check=True)
+    config = str(course / "tests" / "graded" / "grading.yaml")
+    return Grader(checkout, UID_PYTHON, {"GRADER_SANDBOX": level, "GRADER_CONFIG": config})
 
 
 def make_class(root: Path) -> list[str]:
@@ -46,22 +89,20 @@ def make_class(root: Path) -> list[str]:
     return names
 
 
-def one_run_each(root: Path, names: list[str], out: Path, selection: list[str]) -> float:
+def one_run_each(by: Grader, root: Path, names: list[str], out: Path, select: list[str]) -> float:
     """Seconds to grade every student by a ``grader run`` of its own, one after another."""
     start = time.monotonic()
     for name in names:
         (out / name).mkdir(parents=True)
-        command = [sys.executable, "-m", "grader", "run", *selection]
-        command += ["--submission", str(root / name), "--results", str(out / name / "results.json")]
-        subprocess.run(command, cwd=REPO, capture_output=True, check=False)
+        submission = ["--submission", str(root / name)]
+        by.run(["run", *select, *submission, "--results", str(out / name / "results.json")])
     return time.monotonic() - start
 
 
-def batch(root: Path, out: Path, selection: list[str]) -> float:
+def batch(by: Grader, root: Path, out: Path, select: list[str]) -> float:
     """Seconds to grade every student by ``grader batch --jobs 1``."""
     start = time.monotonic()
-    command = [sys.executable, "-m", "grader", "batch", str(root), "--out", str(out), "--jobs", "1"]
-    subprocess.run([*command, *selection], cwd=REPO, capture_output=True, check=False)
+    by.run(["batch", str(root), "--out", str(out), "--jobs", "1", *select])
     return time.monotonic() - start
 
 
@@ -88,36 +129,81 @@ def compare(names: list[str], old: Path, new: Path) -> list[str]:
     return differences
 
 
+def worktree(revision: str, where: Path) -> Path:
+    """A checkout of ``revision`` of this repository at ``where``."""
+    command = ["git", "-C", str(REPO), "worktree", "add", "--detach", str(where), revision]
+    subprocess.run(command, check=True, capture_output=True)
+    # Readable, as an install of it would be: a grader of before the ranks imported a copy of
+    # the grader (view.rank_side) imports it from there. Its course is copied, unreadable.
+    where.parent.chmod(0o711)
+    return where
+
+
+Grading = Callable[[Path], float]  # grades the class into a folder; its seconds
+
+
+def paths(args: argparse.Namespace, tmp: Path, names: list[str]) -> dict[str, Grading]:
+    """Each path, by its label; the first is the one the others are compared with."""
+    root, select = tmp / "class", args.selection
+    now = grader_of(REPO, args.sandbox, tmp / "now")
+    graded: dict[str, Grading] = {
+        "one run each": lambda out: one_run_each(now, root, names, out, select),
+        "batch": lambda out: batch(now, root, out, select),
+    }
+    if args.before:
+        then = grader_of(worktree(args.before, tmp / "before"), args.sandbox, tmp / "then")
+        graded[f"{args.before} batch"] = lambda out: batch(then, root, out, select)
+    return graded
+
+
+def rounds(
+    graded: dict[str, Grading], count: int, tmp: Path, names: list[str]
+) -> tuple[dict[str, list[float]], bool]:
+    """Every path's seconds in each of ``count`` rounds (printed as each ends), and whether
+    every path's verdicts were identical every time."""
+    seconds: dict[str, list[float]] = {label: [] for label in graded}
+    identical = True
+    for i in range(count):
+        labels = list(graded)[i % len(graded) :] + list(graded)[: i % len(graded)]
+        for label in labels:
+            seconds[label].append(graded[label](tmp / str(i) / label))
+            print(f"round {i + 1}: {label}: {seconds[label][-1]:.0f} s", flush=True)
+        outs = [tmp / str(i) / label for label in graded]
+        differences = [d for out in outs[1:] for d in compare(names, outs[0], out)]
+        identical = identical and not differences
+        for line in differences:
+            print(f"  differs: {line}")
+    return seconds, identical
+
+
+def report(seconds: dict[str, list[float]], names: list[str], args: argparse.Namespace) -> None:
+    level = "the strongest here" if args.sandbox == "auto" else args.sandbox
+    print(f"{len(names)} students, selection: {' '.join(args.selection)}, sandbox: {level}")
+    mean = {label: sum(times) / len(times) for label, times in seconds.items()}
+    for label, value in mean.items():
+        print(f"  {label:<16} {value:6.0f} s   {len(names) * 3600 / value:6.1f} students per hour")
+    for label in (label for label in mean if label != "batch"):
+        print(f"  batch: {mean[label] / mean['batch']:.2f}x the students per hour of {label}")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=1)
-    args, selection = parser.parse_known_args()
-    selection = selection or DEFAULT_SELECTION
-    seconds: dict[str, list[float]] = {"one run each": [], "batch": []}
-    identical = True
-    with tempfile.TemporaryDirectory(prefix="batch-throughput-") as tmp:
-        root = Path(tmp) / "class"
-        root.mkdir()
-        names = make_class(root)
-        for i in range(args.rounds):
-            old, new = Path(tmp) / f"old{i}", Path(tmp) / f"new{i}"
-            paths = [
-                ("one run each", partial(one_run_each, root, names, old, selection)),
-                ("batch", partial(batch, root, new, selection)),
-            ]
-            for label, grade in paths if i % 2 == 0 else paths[::-1]:
-                seconds[label].append(grade())
-                print(f"round {i + 1}: {label}: {seconds[label][-1]:.0f} s", flush=True)
-            differences = compare(names, old, new)
-            identical = identical and not differences
-            for line in differences:
-                print(f"  differs: {line}")
-    print(f"{len(names)} students, selection: {' '.join(selection)}")
-    for label, times in seconds.items():
-        mean = sum(times) / len(times)
-        print(f"  {label:<13} {mean:6.0f} s   {len(names) * 3600 / mean:6.1f} students per hour")
-    ratio = sum(seconds["one run each"]) / sum(seconds["batch"])
-    print(f"  batch: {ratio:.2f}x the students per hour")
+    parser.add_argument("--sandbox", default="auto", help="the level every path grades at")
+    parser.add_argument("--before", help="a revision whose grader batch grades the class too")
+    args, args.selection = parser.parse_known_args()
+    args.selection = args.selection or DEFAULT_SELECTION
+    with tempfile.TemporaryDirectory(prefix="batch-throughput-") as name:
+        tmp = Path(name)
+        (tmp / "class").mkdir()
+        names = make_class(tmp / "class")
+        try:
+            seconds, identical = rounds(paths(args, tmp, names), args.rounds, tmp, names)
+        finally:
+            if args.before:
+                command = ["git", "-C", str(REPO), "worktree", "remove", "--force"]
+                subprocess.run([*command, str(tmp / "before")], capture_output=True)
+    report(seconds, names, args)
     print("verdicts identical test by test" if identical else "VERDICTS DIFFER")
     return 0 if identical else 1
 

@@ -28,7 +28,7 @@ from grader.bench.calls import TORCH_COLLECTIVES, collective_call
 from grader.bench.timing import time_call
 from grader.course.config import REPO_ROOT
 from grader.judge.projection import machines, project
-from grader.launch.sandboxed import JOB_ENV
+from grader.launch.plan import JOB_ENV
 
 
 def enter_rank(job_dir: Path, rank: int, import_dir: Path) -> records.ReportWriter:

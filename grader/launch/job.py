@@ -19,7 +19,6 @@ import of torch, and the two imports share the CPUs.
 from __future__ import annotations
 
 import contextlib
-import functools
 import itertools
 import os
 import shutil
@@ -27,7 +26,7 @@ import signal
 import socket
 import subprocess
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING
@@ -35,10 +34,10 @@ from typing import TYPE_CHECKING
 from grader.course.config import RankLimits
 from grader.course.secret import SECRET_ENV
 from grader.device import Device
-from grader.launch import orphans, tmpdir
-from grader.launch.sandboxed import JOB_ENV, SandboxPlan
+from grader.launch import orphans, tmpdir, zygote
+from grader.launch.plan import JOB_ENV, SandboxPlan
 from grader.protocol import rank_socket
-from grader.sandbox import DEFAULT_SCRATCH, Level, die_with, view, walled
+from grader.sandbox import DEFAULT_SCRATCH, Level, view, walled
 from grader.sandbox.landlock import Rule
 
 if TYPE_CHECKING:
@@ -134,6 +133,7 @@ class TorchrunJob:
         self._process: subprocess.Popen[bytes] | None = None
         # The ranks' pids as they report them: ended too, even if torchrun is gone already.
         self.worker_pids: set[int] = set()
+        self.zygote: subprocess.Popen[bytes] | None = None  # at uid: what forks the ranks
 
     def start(self) -> None:
         command = [
@@ -153,17 +153,8 @@ class TorchrunJob:
         env.update({JOB_ENV: str(self.job_dir), "PET_LOG_DIR": str(self.job_dir / "torchrun")})
         for name in ("TORCH_DISTRIBUTED_DEBUG", SECRET_ENV):
             env.pop(name, None)
-        with open(self.job_dir / "torchrun.log", "wb") as log:
-            self._process = orphans.start(
-                command,
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                env=env,
-                start_new_session=True,
-                # the grader killed: torchrun and its ranks go too
-                preexec_fn=functools.partial(_private_child, os.getpid()),
-            )
+        # the grader killed: torchrun and its ranks go too
+        self._process = orphans.start_trusted(command, self.job_dir / "torchrun.log", env=env)
 
     def running(self) -> bool:
         return self._process is not None and self._process.poll() is None
@@ -174,7 +165,10 @@ class TorchrunJob:
         return self._process.wait()
 
     def kill(self) -> None:
-        """End torchrun and every process it started; idempotent."""
+        """End torchrun, the zygote and every process they started; idempotent."""
+        if self.zygote is not None:  # its ranks die with it
+            self.zygote.kill()
+            self.zygote.wait()
         if self._process is None:
             return
         workers = {pid for pid in self.worker_pids if _is_worker(pid)}  # not a reused pid
@@ -205,13 +199,6 @@ class TorchrunJob:
         tb: TracebackType | None,
     ) -> None:
         self.kill()
-
-
-def _private_child(parent: int) -> None:
-    """In torchrun's process before its exec: it dies with ``parent``, and every file it and
-    the wrappers make (logs, exit statuses) is theirs alone."""
-    os.umask(0o077)
-    die_with(parent)
 
 
 def log_tail(job_dir: Path, lines: int = 5) -> str:
@@ -324,6 +311,8 @@ def launch(settings: JobSettings, size: int) -> Launched:
     try:
         socket_dir = prepare_job(settings, job_dir, {})
         listeners = listen(socket_dir, size)
+        if SandboxPlan.read(job_dir).zygote:  # first: its torch and torchrun's import at once
+            job.zygote = zygote.start(job_dir, socket_dir, size)
         job.start()
         return Launched(job, job_dir, socket_dir, listeners)
     except BaseException:  # an interrupt before the caller holds the job: end what began
@@ -374,7 +363,7 @@ def _write_plan(
     socket_dir.chmod(0o700)  # the wrappers connect the ranks: no rank reaches a socket
     job_dir.chmod(0o711)  # a rank's uid passes through to its scratch, and reads nothing here
     (job_dir / "scratch").mkdir(mode=0o711)
-    SandboxPlan(
+    plan = SandboxPlan(
         level=settings.level,
         socket_dir=str(socket_dir),
         import_dir=str(settings.import_dir),
@@ -387,4 +376,7 @@ def _write_plan(
         first_uid=settings.identity.first if settings.identity else None,
         device=settings.device,
         **relay,
-    ).write(job_dir)
+    )
+    if zygote.wanted(plan):
+        plan = replace(plan, zygote=str(socket_dir / zygote.SOCKET_NAME))
+    plan.write(job_dir)

@@ -25,13 +25,17 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import ctypes.util
+import functools
 import os
 import signal
 import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 from typing import Any
+
+from grader.sandbox import die_with
 
 _PR_SET_CHILD_SUBREAPER = 36
 _lock = threading.Lock()
@@ -58,6 +62,28 @@ def start(command: list[str], **popen: Any) -> subprocess.Popen:
         process = subprocess.Popen(command, **popen)
         _ours[process.pid] = process
     return process
+
+
+def start_trusted(command: list[str], log: Path, **popen: Any) -> subprocess.Popen:
+    """:func:`start` for a trusted process of a job (torchrun, a zygote): in a session of its
+    own, to be ended whole; killed when this process dies; its files its user's alone; its
+    output (stdout and stderr) into the file ``log``."""
+    with open(log, "wb") as output:
+        return start(
+            command,
+            stdin=subprocess.DEVNULL,
+            stdout=output,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            preexec_fn=functools.partial(_private_child, os.getpid()),
+            **popen,
+        )
+
+
+def _private_child(parent: int) -> None:
+    """Before the exec: every file it makes is its user's alone, and it dies with ``parent``."""
+    os.umask(0o077)
+    die_with(parent)
 
 
 def end(timeout: float = 5.0) -> list[int]:

@@ -12,64 +12,20 @@ it, so no process of the student's outlives the job, even when the grader itself
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import signal
 import socket
+import subprocess
 import sys
-from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import BinaryIO
 
-from grader.device import ENV_VAR as DEVICE_ENV
-from grader.device import Device, parse
+from grader.launch.plan import JOB_ENV, SandboxPlan, exit_path, log_path, rank_sandbox
+from grader.launch.zygote import Forked
 from grader.protocol import RankExit, clean, rank_socket
-from grader.sandbox import DEFAULT_SCRATCH, NOBODY, Level, Sandbox, die_with, landlock
-from grader.sandbox import ENV_VAR as SANDBOX_ENV
+from grader.sandbox import Sandbox, die_with
 
-JOB_ENV = "GRADER_JOB"
 RANK_ENTRY = "grader.rank"  # the rank's process: python -m grader.rank (grader/rank/__main__.py)
-
-
-@dataclass(frozen=True)
-class SandboxPlan:
-    """How the ranks of one job are sandboxed; written by the grader into the job directory."""
-
-    level: Level
-    socket_dir: str
-    import_dir: str
-    hidden: list[str]
-    readable: list[str]
-    pythonpath: str
-    memory_bytes: int
-    allow: list[str]  # the Landlock allow-list, as Rule.to_text; empty: none
-    scratch_bytes: int = DEFAULT_SCRATCH
-    # As root, local rank r runs as first_uid + r (grader.sandbox.identity); otherwise every rank is
-    # nobody in a user namespace of its own.
-    first_uid: int | None = None
-    device: Device = Device.CPU
-    # A job across nodes: every rank relays to the head's broker at this address.
-    broker: str = ""
-    job: str = ""
-    key: str = ""  # hex; the file is the grader's alone (0600)
-
-    def write(self, job_dir: Path) -> None:
-        descriptor = os.open(job_dir / "sandbox.json", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(descriptor, "w") as plan:
-            plan.write(json.dumps(asdict(self)))  # the enums as their values
-
-    @classmethod
-    def read(cls, job_dir: Path) -> SandboxPlan:
-        fields = json.loads((job_dir / "sandbox.json").read_text())
-        level, where = Level(fields.pop("level")), f"{job_dir}/sandbox.json"
-        return cls(level=level, device=parse(fields.pop("device"), where), **fields)
-
-
-def exit_path(job_dir: Path, rank: int) -> Path:
-    return job_dir / f"rank{rank}.exit"
-
-
-def log_path(job_dir: Path, rank: int) -> Path:
-    return job_dir / f"rank{rank}.log"
 
 
 def rank_exit(job_dir: Path, rank: int) -> RankExit | None:
@@ -94,13 +50,6 @@ def last_words(job_dir: Path, rank: int, limit: int = 300) -> str:
     return clean(" | ".join(lines[-2:]), limit)
 
 
-#: glibc's allocator, told to keep what a rank frees and hand it out again: by default it
-#: maps each large buffer (a message's 4 MB) afresh and returns it when freed, so that a
-#: call pays a page fault for every 4 KB of it, or not, by the allocator's own history. A
-#: rank's CPU time, which the performance tests charge, is then the rank's work alone.
-STEADY_MALLOC = {"MALLOC_MMAP_THRESHOLD_": str(1 << 30), "MALLOC_TRIM_THRESHOLD_": str(1 << 30)}
-
-
 def main(job_dir: Path, probe: bool = False) -> int:
     parent = os.getppid()  # torchrun's agent (the grader itself, for a probe)
     if not probe and not _is_torchrun(parent):
@@ -109,13 +58,13 @@ def main(job_dir: Path, probe: bool = False) -> int:
     plan = SandboxPlan.read(job_dir)
     rank = int(os.environ["RANK"])
     ours, theirs = (None, None) if probe else _connect(plan, rank)
-    sandbox = _sandbox(plan, job_dir, rank, theirs)
+    world_size, local_rank = int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_RANK", rank))
+    sandbox = rank_sandbox(plan, job_dir, rank, world_size, local_rank, theirs)
     sandbox.prepare()
-    argv = [sys.executable, "-m", RANK_ENTRY]
-    argv += ["--probe"] if theirs is None else [str(theirs.fileno()), plan.import_dir]
     descriptor = os.open(log_path(job_dir, rank), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with open(descriptor, "wb") as log:
-        child = sandbox.popen(argv, log)
+        asked = {"rank": rank, "world_size": world_size, "local_rank": local_rank}
+        child = _start(plan, sandbox, asked, theirs, log)
     if theirs is not None:
         theirs.close()  # the rank's end is the rank's alone
 
@@ -136,6 +85,22 @@ def main(job_dir: Path, probe: bool = False) -> int:
     return code if code >= 0 else 128 - code
 
 
+def _start(
+    plan: SandboxPlan,
+    sandbox: Sandbox,
+    asked: dict[str, int],
+    connection: socket.socket | None,
+    log: BinaryIO,
+) -> subprocess.Popen[bytes] | Forked:
+    """The rank, started: forked by its job's zygote where the plan names one (``asked``:
+    which rank), else run in its sandbox (a probe without ``connection``)."""
+    if plan.zygote and connection is not None:
+        return Forked(Path(plan.zygote), asked, connection.fileno(), log.fileno())
+    argv = [sys.executable, "-m", RANK_ENTRY]
+    argv += ["--probe"] if connection is None else [str(connection.fileno()), plan.import_dir]
+    return sandbox.popen(argv, log)
+
+
 def _connect(plan: SandboxPlan, rank: int) -> tuple[socket.socket | None, socket.socket]:
     """The relay's end (across nodes) and the rank's end of the rank's one connection: to
     this machine's broker, whose socket the ranks cannot reach, or to this wrapper."""
@@ -145,39 +110,6 @@ def _connect(plan: SandboxPlan, rank: int) -> tuple[socket.socket | None, socket
     theirs = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     theirs.connect(str(rank_socket(Path(plan.socket_dir), rank)))
     return None, theirs
-
-
-def _sandbox(
-    plan: SandboxPlan, job_dir: Path, rank: int, connection: socket.socket | None
-) -> Sandbox:
-    local_rank = int(os.environ.get("LOCAL_RANK", rank))
-    env = {
-        "RANK": str(rank),
-        "WORLD_SIZE": os.environ["WORLD_SIZE"],
-        "LOCAL_RANK": str(local_rank),
-        "PYTHONPATH": plan.pythonpath,
-        "PYTHONDONTWRITEBYTECODE": "1",
-        "PYTHONUNBUFFERED": "1",
-        "OMP_NUM_THREADS": "1",
-        DEVICE_ENV: plan.device.value,
-        SANDBOX_ENV: plan.level.value,  # how the rank words a refused system call
-        **STEADY_MALLOC,
-    }
-    uid = NOBODY if plan.first_uid is None else plan.first_uid + local_rank
-    return Sandbox(
-        plan.level,
-        job_dir / "scratch" / f"rank{rank}",
-        hidden=tuple(map(Path, plan.hidden)),
-        readable=tuple(map(Path, plan.readable)),
-        connection=None if connection is None else connection.fileno(),
-        allow=tuple(map(landlock.Rule.from_text, plan.allow)),
-        env=env,
-        memory_bytes=plan.memory_bytes,
-        scratch_bytes=plan.scratch_bytes,
-        max_file_bytes=plan.scratch_bytes,
-        uid=uid,
-        gid=uid if plan.first_uid is None else plan.first_uid,
-    )
 
 
 def _is_torchrun(pid: int) -> bool:

@@ -34,7 +34,8 @@ from grader.launch.job import (
     launch,
     prepare_job,
 )
-from grader.launch.sandboxed import JOB_ENV, last_words
+from grader.launch.plan import JOB_ENV
+from grader.launch.sandboxed import last_words
 from grader.sandbox import identity as uids
 from grader.sandbox.identity import Identity
 

@@ -17,6 +17,9 @@ Three levels, strongest first:
   containers, Gradescope's among them) but root: a dedicated uid, rlimits, and
   permissions for hiding (checked with :func:`grader.sandbox.identity.readable_by`), and every
   process of the job's uids killed at job end (:func:`grader.sandbox.identity.kill_uid`).
+  None of it needs an exec: a job's ranks are forked by its zygote, which imported torch
+  once (:mod:`grader.launch.zygote`), and each enters its sandbox in place
+  (:meth:`Sandbox.enter`).
 * ``none``: a student's laptop: run as is.
 """
 
@@ -67,6 +70,7 @@ _PRIVATE = {"/tmp": "1777", "/dev/shm": "1777", "/var/tmp": "1777", "/run": "075
 _PRIVATE_BYTES = 12 * MiB
 _PR_SET_PDEATHSIG = 1
 _PR_SET_NO_NEW_PRIVS = 38
+_PR_SET_DUMPABLE = 4
 
 
 #: What a rank's exception says when it ran into a limit of its sandbox, and that limit.
@@ -320,6 +324,19 @@ class Sandbox:
         starts (seen here: an orphaned bwrap). For ``uid`` it is set after setuid,
         which clears it.
         """
+        self._confine(dumpable=False)
+
+    def enter(self) -> None:
+        """At ``uid``, in a child that a trusted process forked and that will not exec (a
+        rank forked by its job's zygote, :mod:`grader.launch.zygote`): what :meth:`pre_exec`
+        does, and the process left dumpable as an exec would leave it (a drop from root
+        clears the flag, which an exec sets again), so that it sees its own /proc as an
+        exec'd rank does. It dies with the process that forked it."""
+        if self.level is not Level.UID:
+            raise SandboxError(f"only the uid level enters a sandbox in place, not {self.level}")
+        self._confine(dumpable=True)
+
+    def _confine(self, dumpable: bool) -> None:
         parent = os.getppid()
         if self.level is not Level.UID:
             die_with(parent)
@@ -338,6 +355,8 @@ class Sandbox:
         if self.level is Level.UID:
             drop_to(self.uid, self.gid)
             os.chdir(self.scratch)
+            if dumpable:
+                _prctl(_PR_SET_DUMPABLE, 1)
             die_with(parent)
             syscall_filter.load(syscall_filter.program())  # last: for good, and for all it starts
 

@@ -11,7 +11,7 @@ import pytest
 from grader import device, sandbox
 from grader.device import Device
 from grader.launch.job import job_settings
-from grader.launch.sandboxed import SandboxPlan
+from grader.launch.plan import SandboxPlan
 from grader.sandbox import view
 
 

@@ -6,7 +6,11 @@ all_reduce tries, on every rank:
 - every process's command line and environment (``/proc/*/cmdline``, ``environ``), and every
   path those name: another grading's work folder, the reference's, the course;
 - every file under ``/`` it can list, opened and its first bytes read (``/tmp``,
-  ``/dev/shm``, the course, the secret, homes), and files it can create outside its scratch.
+  ``/dev/shm``, the course, the secret, homes), and files it can create outside its scratch;
+- what its process inherited: every descriptor it holds (a socket beside its connection, a
+  file it could not open itself) and its own memory, searched for a grader's secret, a
+  course secret as the tests make them, or another submission's marker (a rank forked from
+  a process that held them would find them there).
 
 It then raises what it reached that is not the interpreter's, the system's libraries or its
 own: "REACHED: none" where the wall holds, else the paths and the first bytes read, which
@@ -168,6 +172,49 @@ def _writes(found: dict[str, str]) -> None:
             pass
 
 
+def _descriptors(found: dict[str, str]) -> None:
+    sockets = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:"):
+            sockets.append(f"fd:{fd}")
+        elif target.startswith("/") and fd not in ("1", "2"):  # stdout and stderr: its log
+            _read(target, found)
+    for fd in sockets[1:]:  # one is its connection, which it cannot tell from another
+        found[fd] = "a second socket"
+
+
+#: A secret as the grader holds it, a course's as the tests make it, another's marker: each a
+#: prefix and what follows it (the patterns lie in memory too: none matches its own text).
+_SECRETS = ((b"GRADER_" + b"SECRET=", rb"[\w-]{8}"), (b"wall-" + b"secret-", rb"[0-9a-f]{32}"),
+            (b"VIC" + b"TIM-", rb"[0-9a-f]{32}"))  # fmt: skip
+
+
+def _memory(found: dict[str, str]) -> None:
+    patterns = [re.compile(re.escape(prefix) + rest) for prefix, rest in _SECRETS]
+    deadline = time.monotonic() + 3
+    with open("/proc/self/maps") as maps, open("/proc/self/mem", "rb", 0) as mem:
+        for line in maps.read().splitlines():
+            fields = line.split()
+            if not fields[1].startswith("rw") or (len(fields) > 5 and fields[5].startswith("/")):
+                continue  # the secrets would be in the heap and anonymous memory
+            start, end = (int(x, 16) for x in fields[0].split("-"))
+            for at in range(start, end, 1 << 23):
+                if time.monotonic() > deadline:
+                    return
+                try:
+                    mem.seek(at)
+                    chunk = mem.read(min(1 << 23, end - at))
+                except (OSError, ValueError, OverflowError):
+                    break
+                for pattern in patterns:
+                    if match := pattern.search(chunk):
+                        found[f"memory:{at:x}"] = match.group().decode(errors="replace")
+
+
 #: What it reached, most telling first: the report is cut at 2000 characters.
 _KINDS = (
     ("connections", lambda p: p.startswith(("connect:", "socket:"))),
@@ -184,6 +231,8 @@ def _kind(path: str) -> int:
 
 def all_reduce(tensor, group=None):  # noqa: ARG001
     found: dict[str, str] = {}
+    _descriptors(found)
+    _memory(found)
     _connections(found)
     _processes(found)
     _writes(found)
