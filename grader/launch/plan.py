@@ -47,12 +47,19 @@ class SandboxPlan:
     def write(self, job_dir: Path) -> None:
         descriptor = os.open(job_dir / "sandbox.json", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with os.fdopen(descriptor, "w") as plan:
-            plan.write(json.dumps(asdict(self)))  # the enums as their values
+            plan.write(self.to_json())
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))  # the enums as their values
 
     @classmethod
     def read(cls, job_dir: Path) -> SandboxPlan:
-        fields = json.loads((job_dir / "sandbox.json").read_text())
-        level, where = Level(fields.pop("level")), f"{job_dir}/sandbox.json"
+        return cls.from_json((job_dir / "sandbox.json").read_text(), f"{job_dir}/sandbox.json")
+
+    @classmethod
+    def from_json(cls, text: str, where: str = "the job's plan") -> SandboxPlan:
+        fields = json.loads(text)
+        level = Level(fields.pop("level"))
         return cls(level=level, device=parse(fields.pop("device"), where), **fields)
 
 
@@ -95,7 +102,7 @@ def rank_sandbox(
     uid = NOBODY if plan.first_uid is None else plan.first_uid + local_rank
     return Sandbox(
         plan.level,
-        job_dir / "scratch" / f"rank{rank}",
+        rank_scratch(job_dir, rank),
         hidden=tuple(map(Path, plan.hidden)),
         readable=tuple(map(Path, plan.readable)),
         connection=None if connection is None else connection.fileno(),
@@ -107,3 +114,8 @@ def rank_sandbox(
         uid=uid,
         gid=uid if plan.first_uid is None else plan.first_uid,
     )
+
+
+def rank_scratch(job_dir: Path, rank: int) -> Path:
+    """Rank ``rank``'s scratch folder: its cwd, HOME and TMPDIR, the one place it writes."""
+    return job_dir / "scratch" / f"rank{rank}"

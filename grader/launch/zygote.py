@@ -1,4 +1,4 @@
-"""A job's zygote: at ``uid``, its ranks are forked from one process that imported torch once.
+"""A job's zygote: its ranks forked from one process that imported torch once.
 
 Every rank imports the same torch, two seconds of CPU each, before it runs a line of the
 student's: four ranks and torchrun spend five such imports per job. At ``uid`` the sandbox
@@ -9,7 +9,10 @@ environment) that imports the rank's side, torch with it, and then forks each ra
 its wrapper asks for. The child walls itself in exactly as an exec'd rank is walled
 (:meth:`grader.sandbox.Sandbox.enter`, then the rank's own allow-list, then
 :func:`grader.rank.__main__.serve`) before it reads a byte of the submission. Android
-starts its apps this way; ``namespaces`` and jobs across nodes exec their ranks as before.
+starts its apps this way. At ``namespaces``, as root where the kernel has Landlock, the
+zygote and its ranks share one bubblewrap (:meth:`grader.sandbox.Sandbox.job_command`),
+the ranks kept apart as at ``uid``; elsewhere (no root, no Landlock, a job across nodes,
+a kernel without pidfds) each rank is exec'd in a sandbox of its own.
 
 A child inherits the zygote's memory: the interpreter, torch, the grader's rank side, and
 the requests of the ranks forked before it (a rank number and a sandbox, which the rank
@@ -27,6 +30,7 @@ hangs up (torchrun ended it) has its rank killed.
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import importlib
 import json
@@ -44,17 +48,34 @@ from pathlib import Path
 from typing import NoReturn
 
 from grader.launch import orphans
-from grader.launch.plan import JOB_ENV, SandboxPlan, rank_sandbox
+from grader.launch.plan import JOB_ENV, SandboxPlan, rank_sandbox, rank_scratch
 from grader.sandbox import Level, Sandbox, landlock, syscall_filter
 
 RANK_FD = 3  # where a forked rank finds its connection to the broker
 SOCKET_NAME = "zygote"
+PLAN_ENV = "GRADER_PLAN"
 _LINE_BYTES = 4096
 
 
 def wanted(plan: SandboxPlan) -> bool:
-    """Whether the ranks of a job so planned are forked: at ``uid``, on this machine only."""
-    return plan.level is Level.UID and not plan.broker
+    """Whether the ranks of a job so planned are forked, on this machine only: at ``uid``,
+    and at ``namespaces`` where the ranks have what keeps them apart at ``uid`` (a uid each,
+    as root, and an allow-list), since they then share one bubblewrap's namespaces."""
+    if plan.broker or not _pidfds():
+        return False
+    shared = plan.level is Level.NAMESPACES and plan.first_uid is not None and bool(plan.allow)
+    return plan.level is Level.UID or shared
+
+
+@functools.cache
+def _pidfds() -> bool:
+    """Whether this kernel gives descriptors for processes (Linux 5.3), as the zygote's loop
+    waits on its ranks' ends with them; elsewhere every rank starts afresh."""
+    try:
+        os.close(os.pidfd_open(os.getpid()))
+    except (AttributeError, OSError):
+        return False
+    return True
 
 
 def start(job_dir: Path, socket_dir: Path, size: int) -> subprocess.Popen[bytes]:
@@ -62,15 +83,19 @@ def start(job_dir: Path, socket_dir: Path, size: int) -> subprocess.Popen[bytes]
     its socket is listening on return, and a wrapper that connects early waits in the backlog
     until torch is imported."""
     plan = SandboxPlan.read(job_dir)
-    env = rank_sandbox(plan, job_dir, 0, size, 0).environment()
+    sandbox = rank_sandbox(plan, job_dir, 0, size, 0)
+    env = {**sandbox.environment(), "HOME": str(job_dir), "TMPDIR": str(job_dir)}
     env.pop(landlock.ENV_VAR, None)  # each child is handed its own
-    env.update({"HOME": str(job_dir), "TMPDIR": str(job_dir), "PWD": str(job_dir)})
-    env[JOB_ENV] = str(job_dir)
+    # The plan in its environment: at namespaces it cannot read the job's folder.
+    env.update({"PWD": str(job_dir), JOB_ENV: str(job_dir), PLAN_ENV: plan.to_json()})
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as listener:
         listener.bind(str(socket_dir / SOCKET_NAME))
         listener.listen(size)
         fd = listener.fileno()
         command = [sys.executable, "-m", __name__, str(fd), str(size)]
+        if plan.level is Level.NAMESPACES:
+            scratches = [rank_scratch(job_dir, rank) for rank in range(size)]
+            command = sandbox.job_command(command, scratches, env, job_dir)
         log = job_dir / "zygote.log"
         return orphans.start_trusted(command, log, env=env, pass_fds=(fd,), cwd=job_dir)
 
@@ -120,10 +145,10 @@ class Zygote:
     """The zygote's one loop: each event (a wrapper's connection, its request, its hang-up,
     a rank's end) has its handler, registered as the selector key's data."""
 
-    def __init__(self, listener: socket.socket, job_dir: Path, size: int) -> None:
+    def __init__(self, listener: socket.socket, job_dir: Path, plan: SandboxPlan, size: int):
         self.listener = listener
         self.job_dir = job_dir
-        self.plan = SandboxPlan.read(job_dir)
+        self.plan = plan
         self.to_fork = size
         self.ranks: list[_Rank] = []
         self.selector = selectors.DefaultSelector()
@@ -225,9 +250,9 @@ def _descriptors(connection: int, log: int) -> None:
 
 
 def main(listener_fd: int, size: int) -> int:
-    job_dir = Path(os.environ.pop(JOB_ENV))
+    job_dir, plan = Path(os.environ.pop(JOB_ENV)), SandboxPlan.from_json(os.environ.pop(PLAN_ENV))
     listener = socket.socket(fileno=listener_fd)
-    zygote = Zygote(listener, job_dir, size)
+    zygote = Zygote(listener, job_dir, plan, size)
     for module in ("grader.rank.__main__", "grader.rank.worker"):  # torch with it, once here
         importlib.import_module(module)
 

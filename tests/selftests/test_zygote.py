@@ -1,5 +1,6 @@
-"""At ``uid`` a job's ranks are forked from its zygote, which imported torch once (issue 49):
-each walled as an exec'd rank is, holding nothing of the zygote's, and ended with it.
+"""At ``uid``, and at ``namespaces`` as root with Landlock, a job's ranks are forked from its
+zygote, which imported torch once (issue 49): each walled as an exec'd rank is, holding
+nothing of the zygote's, and ended with it.
 
 The probe of everything a rank inherited (its descriptors, its memory searched for secrets)
 is ``submissions/attack_wall``'s, graded at ``uid`` in test_wall.py.
@@ -12,6 +13,7 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -20,19 +22,40 @@ import pytest
 from runner import REPO, materialize, start_grader, without_bwrap
 from test_wall import UID_PYTHON, _course, _uid_python
 
-from grader.launch import orphans
+from grader import sandbox
+from grader.launch.job import descendants, process_alive
+from grader.sandbox import Level
 
 needs_uid = pytest.mark.skipif(bool(_uid_python()), reason=str(_uid_python()))
 
 
-@needs_uid
-def test_a_forked_rank_is_walled_holds_only_its_own_and_dies_with_its_wrapper() -> None:
+def _shared_namespaces() -> str | None:
+    """Why a job's ranks cannot share one bubblewrap here (they are then exec'd), or None."""
+    if os.geteuid() != 0:
+        return "the ranks of a job share a bubblewrap as root only (a uid each)"
+    return sandbox.unavailable(Level.NAMESPACES) or sandbox.unavailable_landlock()
+
+
+LEVELS = [
+    pytest.param(Level.UID, marks=needs_uid),
+    pytest.param(
+        Level.NAMESPACES,
+        marks=pytest.mark.skipif(bool(_shared_namespaces()), reason=str(_shared_namespaces())),
+    ),
+]
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_a_forked_rank_is_walled_holds_only_its_own_and_dies_with_its_wrapper(
+    level: Level,
+) -> None:
     harness = str(REPO / "tests" / "selftests" / "zygote_harness.py")
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     where = Path(tempfile.mkdtemp(prefix="zygote-"))  # pytest's folders are root's alone
+    python = UID_PYTHON if level is Level.UID else sys.executable
     try:
         where.chmod(0o711)  # the rank's uid passes through to its scratch
-        command = [UID_PYTHON, harness, str(where / "work")]
+        command = [python, harness, str(where / "work"), level.value]
         done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=120)
     finally:
         shutil.rmtree(where, ignore_errors=True)
@@ -52,44 +75,52 @@ def test_a_forked_rank_is_walled_holds_only_its_own_and_dies_with_its_wrapper() 
     assert seen["zygote_exit"] == 0
 
 
-def _zygote_below(grader: int) -> int | None:
-    """The pid of a zygote that the grader ``grader`` started, once it has forked a rank."""
-    children: dict[int, list[int]] = {}
-    for pid, parent, _ in orphans.processes():
-        children.setdefault(parent, []).append(pid)
-    for pid in children.get(grader, []):
+def _zygote_tree(grader: int) -> list[int]:
+    """The zygote that ``grader`` started and every process below it, once one of them is a
+    rank (not root's); else nothing."""
+    for pid in descendants(grader):
         try:
             command = Path(f"/proc/{pid}/cmdline").read_bytes()
         except OSError:
             continue
-        if b"grader.launch.zygote" in command and children.get(pid):
-            return pid
-    return None
+        if b"grader.launch.zygote" in command:  # at namespaces its bubblewrap
+            tree = [pid, *descendants(pid)]
+            if any(_owner(below) not in (0, None) for below in tree):
+                return tree
+    return []
+
+
+def _owner(pid: int) -> int | None:
+    try:
+        return os.stat(f"/proc/{pid}").st_uid
+    except OSError:
+        return None
 
 
 @pytest.mark.slow
-@needs_uid
-def test_a_killed_grader_leaves_no_zygote_and_no_rank(tmp_path: Path) -> None:
+@pytest.mark.parametrize("level", LEVELS)
+def test_a_killed_grader_leaves_no_zygote_and_no_rank(tmp_path: Path, level: Level) -> None:
     course = _course(tmp_path / "course")
-    env = {**without_bwrap(tmp_path), "GRADER_CONFIG": str(course / "tests/graded/grading.yaml")}
+    env = {"GRADER_CONFIG": str(course / "tests/graded/grading.yaml")}
+    if level is Level.UID:
+        env |= without_bwrap(tmp_path)
+    python = UID_PYTHON if level is Level.UID else sys.executable
     deadlock = materialize("coll_deadlock_all", tmp_path / "subs")
     args = ["run", "collectives", "-k", "all_reduce", "--submission", str(deadlock)]
-    grader = start_grader([*args, "--sandbox", "uid"], env=env, python=UID_PYTHON)
+    grader = start_grader([*args, "--sandbox", level.value], env=env, python=python)
     try:
-        deadline, zygote = time.monotonic() + 120, None
-        while zygote is None and time.monotonic() < deadline and grader.poll() is None:
-            zygote = _zygote_below(grader.pid)
+        deadline, tree = time.monotonic() + 120, []
+        while not tree and time.monotonic() < deadline and grader.poll() is None:
+            tree = _zygote_tree(grader.pid)
             time.sleep(0.1)
-        assert zygote is not None, grader.communicate()
-        ranks = [pid for pid, parent, _ in orphans.processes() if parent == zygote]
+        assert tree, grader.communicate()
         os.kill(grader.pid, signal.SIGKILL)
         grader.wait()
         deadline = time.monotonic() + 10
-        alive = [zygote, *ranks]
-        while alive and time.monotonic() < deadline:
-            alive = [pid for pid in alive if Path(f"/proc/{pid}").exists()]
+        while tree and time.monotonic() < deadline:
+            tree = [pid for pid in tree if process_alive(pid)]
             time.sleep(0.05)
-        assert not alive, alive
+        assert not tree, tree
     finally:
         if grader.poll() is None:
             grader.kill()

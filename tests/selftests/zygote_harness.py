@@ -1,8 +1,8 @@
 """The harness of test_zygote.py, run as root by an interpreter every uid may run: one job's
-zygote, a rank forked from it as a wrapper asks, what the rank's process holds, then its
-wrapper hanging up. Prints one line of JSON.
+zygote at LEVEL, a rank forked from it as a wrapper asks, what the rank's process holds,
+then its wrapper hanging up. Prints one line of JSON.
 
-    python zygote_harness.py WORK
+    python zygote_harness.py WORK LEVEL
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import sys
 import time
 from pathlib import Path
 
+from grader.broker.accounting import sender_pid
 from grader.device import Device
 from grader.launch import zygote
 from grader.launch.job import job_settings, prepare_job
@@ -33,31 +34,37 @@ def descriptors(pid: int) -> dict[str, str]:
     return {fd: os.readlink(f"{folder}/{fd}") for fd in sorted(os.listdir(folder), key=int)}
 
 
-def main(work: Path) -> dict[str, object]:
+def main(work: Path, level: Level) -> dict[str, object]:
     uids = identity.reserve()
     work.mkdir(mode=0o711)
     try:
-        settings = job_settings(work, Level.UID, Device.CPU, identity=uids)
+        settings = job_settings(work, level, Device.CPU, identity=uids)
+        settings.import_dir.mkdir(mode=0o755)  # where a grading stages the submission
         job_dir = work / "job"
         socket_dir = prepare_job(settings, job_dir, {})
         plan = SandboxPlan.read(job_dir)
         process = zygote.start(job_dir, socket_dir, 1)
         ours, theirs = socket.socketpair()
+        ours.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
         rank_sandbox(plan, job_dir, 0, 1, 0).prepare()
         with open(log_path(job_dir, 0), "wb") as log:
             asked = {"rank": 0, "world_size": 1, "local_rank": 0}
             forked = zygote.Forked(Path(plan.zygote), asked, theirs.fileno(), log.fileno())
         theirs.close()
-        said = select.select([ours], [], [], 60)[0] and ours.recv(1 << 16)  # its hello
-        seen = {"hello": bool(said), "status": status(forked.pid)}
-        seen |= {"fds": descriptors(forked.pid), "uid": uids.uid(0), "job": str(job_dir)}
-        seen["parent"] = Path(f"/proc/{forked.pid}/cmdline").read_bytes().decode()
+        # Its pid here, as the kernel names the writer of its hello (at namespaces the
+        # zygote's answer is a pid in the job's own namespace).
+        said = select.select([ours], [], [], 60)[0] and sender_pid(ours)
+        pid = said or forked.pid
+        seen = {"hello": bool(said), "status": status(pid), "fds": descriptors(pid)}
+        seen |= {"uid": uids.uid(0), "job": str(job_dir)}
+        parent = int(status(pid)["PPid"])
+        seen["parent"] = Path(f"/proc/{parent}/cmdline").read_bytes().decode()
         forked.send_signal(signal.SIGTERM)  # the wrapper hangs up
         seen["exit"] = forked.wait()
         deadline = time.monotonic() + 10
-        while Path(f"/proc/{forked.pid}").exists() and time.monotonic() < deadline:
+        while Path(f"/proc/{pid}").exists() and time.monotonic() < deadline:
             time.sleep(0.05)
-        seen["rank_gone"] = not Path(f"/proc/{forked.pid}").exists()
+        seen["rank_gone"] = not Path(f"/proc/{pid}").exists()
         seen["zygote_exit"] = process.wait(10)  # its one rank ended: it ends too
         seen["log"] = log_path(job_dir, 0).read_text()
         return seen
@@ -66,4 +73,4 @@ def main(work: Path) -> dict[str, object]:
 
 
 if __name__ == "__main__":
-    print(json.dumps(main(Path(sys.argv[1]))))
+    print(json.dumps(main(Path(sys.argv[1]), Level(sys.argv[2]))))
