@@ -297,10 +297,22 @@ def test_what_a_killed_grader_left_is_removed_by_the_next(tmp_path: Path):
 
 
 def ranks_of(pids: list[int]) -> list[int]:
-    """The ranks' own processes (``python -m grader.rank``) among ``pids``."""
+    """The ranks' own processes among ``pids``: ``python -m grader.rank``, or forked by their
+    job's zygote (its command line, under a rank's own uid)."""
+    exec_d, forked = (f"{sys.executable} -m grader.{m} " for m in ("rank", "launch.zygote"))
     return [
-        pid for pid in pids if command_line(pid).startswith(f"{sys.executable} -m grader.rank ")
+        pid
+        for pid in pids
+        if command_line(pid).startswith(exec_d)
+        or (command_line(pid).startswith(forked) and _owner(pid) not in (None, os.geteuid()))
     ]
+
+
+def _owner(pid: int) -> int | None:
+    try:
+        return os.stat(f"/proc/{pid}").st_uid
+    except OSError:
+        return None
 
 
 def test_interrupting_the_grader_ends_every_process_it_started(tmp_path: Path):
