@@ -16,7 +16,8 @@ a kernel without pidfds) each rank is exec'd in a sandbox of its own.
 
 A child inherits the zygote's memory: the interpreter, torch, the grader's rank side, and
 the requests of the ranks forked before it (a rank number and a sandbox, which the rank
-knows of itself). The zygote never reads the course, the secret or a broker's key. The
+knows of itself). The zygote never reads the course, the secret, a broker's key, the
+paths hidden from the ranks or the sockets' folder. The
 child closes every descriptor but its connection (at :data:`RANK_FD`), its log (stdout and
 stderr) and /dev/null (stdin).
 
@@ -43,9 +44,9 @@ import subprocess
 import sys
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import NoReturn
+from typing import IO, NoReturn
 
 from grader.launch import orphans
 from grader.launch.plan import JOB_ENV, SandboxPlan, rank_sandbox, rank_scratch
@@ -53,7 +54,6 @@ from grader.sandbox import Level, Sandbox, landlock, syscall_filter
 
 RANK_FD = 3  # where a forked rank finds its connection to the broker
 SOCKET_NAME = "zygote"
-PLAN_ENV = "GRADER_PLAN"
 _LINE_BYTES = 4096
 
 
@@ -86,18 +86,30 @@ def start(job_dir: Path, socket_dir: Path, size: int) -> subprocess.Popen[bytes]
     sandbox = rank_sandbox(plan, job_dir, 0, size, 0)
     env = {**sandbox.environment(), "HOME": str(job_dir), "TMPDIR": str(job_dir)}
     env.pop(landlock.ENV_VAR, None)  # each child is handed its own
-    # The plan in its environment: at namespaces it cannot read the job's folder.
-    env.update({"PWD": str(job_dir), JOB_ENV: str(job_dir), PLAN_ENV: plan.to_json()})
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as listener:
+    env.update({"PWD": str(job_dir), JOB_ENV: str(job_dir)})
+    # What a rank's sandbox needs of the plan, as every rank is handed the zygote's memory:
+    # none of the hidden paths nor the sockets' folder. In a descriptor (at namespaces the
+    # zygote cannot read the job's folder), never in its environment, which every forked
+    # rank would read in its own /proc/self/environ.
+    told = _plan_file(replace(plan, hidden=[], readable=[], socket_dir="", zygote=""))
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as listener, told:
         listener.bind(str(socket_dir / SOCKET_NAME))
         listener.listen(size)
-        fd = listener.fileno()
-        command = [sys.executable, "-m", __name__, str(fd), str(size)]
+        fds = (listener.fileno(), told.fileno())
+        command = [sys.executable, "-m", __name__, *map(str, fds), str(size)]
         if plan.level is Level.NAMESPACES:
             scratches = [rank_scratch(job_dir, rank) for rank in range(size)]
             command = sandbox.job_command(command, scratches, env, job_dir)
         log = job_dir / "zygote.log"
-        return orphans.start_trusted(command, log, env=env, pass_fds=(fd,), cwd=job_dir)
+        return orphans.start_trusted(command, log, env=env, pass_fds=fds, cwd=job_dir)
+
+
+def _plan_file(plan: SandboxPlan) -> IO[bytes]:
+    """The plan in an anonymous file, read from its start."""
+    told = os.fdopen(os.memfd_create("grader-plan"), "w+b")
+    told.write(plan.to_json().encode())
+    told.seek(0)
+    return told
 
 
 class Forked:
@@ -249,8 +261,10 @@ def _descriptors(connection: int, log: int) -> None:
     os.closerange(RANK_FD + 1, resource.getrlimit(resource.RLIMIT_NOFILE)[1])
 
 
-def main(listener_fd: int, size: int) -> int:
-    job_dir, plan = Path(os.environ.pop(JOB_ENV)), SandboxPlan.from_json(os.environ.pop(PLAN_ENV))
+def main(listener_fd: int, plan_fd: int, size: int) -> int:
+    with os.fdopen(plan_fd, "rb") as told:
+        plan = SandboxPlan.from_json(told.read().decode())
+    job_dir = Path(os.environ.pop(JOB_ENV))
     listener = socket.socket(fileno=listener_fd)
     zygote = Zygote(listener, job_dir, plan, size)
     for module in ("grader.rank.__main__", "grader.rank.worker"):  # torch with it, once here
@@ -267,4 +281,4 @@ def main(listener_fd: int, size: int) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(int(sys.argv[1]), int(sys.argv[2])))
+    sys.exit(main(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])))

@@ -40,6 +40,12 @@ with a ``CLONE_NEW*`` flag,          gives the rank capabilities over it, and mo
 ``clone3`` (ENOSYS), ``mount`` and   nothing a rank needs, and the way around the rest.
 the new mount API, ``pivot_root``
 ``io_uring_setup``                   io_uring's operations bypass this filter.
+``setpriority``, ``sched_setattr``,  any process reads another's niceness, policy, CPUs
+``sched_setscheduler``,              and I/O priority (``getpriority``,
+``sched_setparam``,                  ``sched_getscheduler``, ``sched_getaffinity``,
+``sched_setaffinity``,               ``ioprio_get``), whatever its uid: a rank that sets
+``ioprio_set``                       its own is read by the others of its job, bits that
+                                     no broker carries. A rank keeps the defaults.
 ``fork``, ``vfork``, ``clone``       a new process: the kernel's accounting of the rank
 without ``CLONE_THREAD``             (``grader/broker/accounting.py``) counts its own
                                      threads, not its children, so a child could compute
@@ -112,6 +118,10 @@ REFUSED: dict[str, tuple[str, ...]] = {
         *("fsopen", "fsconfig", "fsmount", "fspick", "move_mount", "open_tree"),
     ),
     "io_uring": ("io_uring_setup",),
+    "scheduling others read": (
+        *("setpriority", "sched_setscheduler", "sched_setparam", "sched_setattr"),
+        *("sched_setaffinity", "ioprio_set"),
+    ),
 }
 
 

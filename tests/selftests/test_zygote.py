@@ -3,11 +3,14 @@ zygote, which imported torch once (issue 49): each walled as an exec'd rank is, 
 nothing of the zygote's, and ended with it.
 
 The probe of everything a rank inherited (its descriptors, its memory searched for secrets)
-is ``submissions/attack_wall``'s, graded at ``uid`` in test_wall.py.
+is ``submissions/attack_wall``'s, graded at ``uid`` in test_wall.py; what a forked rank could
+reach of its zygote and of its job's other ranks, and every channel between them beside the
+broker, is ``submissions/attack_zygote``'s, graded here.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -15,6 +18,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -125,3 +129,61 @@ def test_a_killed_grader_leaves_no_zygote_and_no_rank(tmp_path: Path, level: Lev
         if grader.poll() is None:
             grader.kill()
             grader.wait()
+
+
+def _watch(grader: subprocess.Popen[str], seen: dict[int, bytes], zygotes: set[int]) -> None:
+    """Every process below ``grader`` while it runs: its pid and its start (a pid reused
+    later is another process) into ``seen``; the zygotes' pids (at namespaces their
+    bubblewraps' too) into ``zygotes``."""
+    while grader.poll() is None:
+        for pid in descendants(grader.pid):
+            with contextlib.suppress(OSError):
+                seen.setdefault(pid, _started(pid))
+                if b"grader.launch.zygote" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                    zygotes.add(pid)
+        time.sleep(0.05)
+
+
+def _started(pid: int) -> bytes:
+    """The start time of ``pid`` (/proc/PID/stat's 22nd field), or b"" once it is gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_bytes().rsplit(b")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return b""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("level", LEVELS)
+def test_a_forked_rank_reaches_nothing_of_its_zygote_or_its_job(
+    tmp_path: Path, level: Level
+) -> None:
+    course = _course(tmp_path / "course")
+    attack = materialize("attack_zygote", tmp_path / "subs")
+    python = UID_PYTHON if level is Level.UID else sys.executable
+    env = {"GRADER_CONFIG": str(course / "tests/graded/grading.yaml")}
+    select = ["collectives", "-k", "all_reduce", "--world-size", "2"]
+    results = tmp_path / "results.json"
+    args = ["run", *select, "--submission", str(attack), "--sandbox", level.value]
+    grader = start_grader([*args, "--results", str(results)], env=env, python=python)
+    seen: dict[int, bytes] = {}
+    zygotes: set[int] = set()
+    watcher = threading.Thread(target=_watch, args=(grader, seen, zygotes), daemon=True)
+    watcher.start()
+    try:
+        said = grader.communicate(timeout=600)
+    finally:
+        if grader.poll() is None:
+            grader.kill()
+            grader.wait()
+    watcher.join()
+    assert zygotes, said  # its ranks were forked
+    attacked = json.loads(results.read_text())
+    assert attacked["extra_data"]["sandbox"] == level.value and attacked["score"] == 0, said
+    walk = next(t for t in attacked["tests"] if t["extra_data"]["test"] == "all_reduce")
+    assert "RuntimeError: REACHED: none" in walk["output"], walk["output"]
+    deadline = time.monotonic() + 10
+    while (left := [p for p, t in seen.items() if t and _started(p) == t]) and (
+        time.monotonic() < deadline
+    ):
+        time.sleep(0.05)
+    assert not [p for p in left if process_alive(p)], left
