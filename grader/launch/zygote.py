@@ -9,10 +9,10 @@ environment) that imports the rank's side, torch with it, and then forks each ra
 its wrapper asks for. The child walls itself in exactly as an exec'd rank is walled
 (:meth:`grader.sandbox.Sandbox.enter`, then the rank's own allow-list, then
 :func:`grader.rank.__main__.serve`) before it reads a byte of the submission. Android
-starts its apps this way. At ``namespaces``, as root where the kernel has Landlock, the
-zygote and its ranks share one bubblewrap (:meth:`grader.sandbox.Sandbox.job_command`),
-the ranks kept apart as at ``uid``; elsewhere (no root, no Landlock, a job across nodes,
-a kernel without pidfds) each rank is exec'd in a sandbox of its own.
+starts its apps this way. At ``namespaces`` each rank keeps a bubblewrap of its own: ranks
+sharing one would see each other's scratch (``stat``) and pid counter, channels between them
+that no broker carries, which a namespace per rank closes. Jobs across nodes, and kernels
+without pidfds, exec their ranks too.
 
 A child inherits the zygote's memory: the interpreter, torch, the grader's rank side, and
 the requests of the ranks forked before it (a rank number and a sandbox, which the rank
@@ -49,7 +49,7 @@ from pathlib import Path
 from typing import IO, NoReturn
 
 from grader.launch import orphans
-from grader.launch.plan import JOB_ENV, SandboxPlan, rank_sandbox, rank_scratch
+from grader.launch.plan import JOB_ENV, SandboxPlan, rank_sandbox
 from grader.sandbox import Level, Sandbox, landlock, syscall_filter
 
 RANK_FD = 3  # where a forked rank finds its connection to the broker
@@ -58,13 +58,8 @@ _LINE_BYTES = 4096
 
 
 def wanted(plan: SandboxPlan) -> bool:
-    """Whether the ranks of a job so planned are forked, on this machine only: at ``uid``,
-    and at ``namespaces`` where the ranks have what keeps them apart at ``uid`` (a uid each,
-    as root, and an allow-list), since they then share one bubblewrap's namespaces."""
-    if plan.broker or not _pidfds():
-        return False
-    shared = plan.level is Level.NAMESPACES and plan.first_uid is not None and bool(plan.allow)
-    return plan.level is Level.UID or shared
+    """Whether the ranks of a job so planned are forked: at ``uid``, on this machine only."""
+    return plan.level is Level.UID and not plan.broker and _pidfds()
 
 
 @functools.cache
@@ -88,18 +83,14 @@ def start(job_dir: Path, socket_dir: Path, size: int) -> subprocess.Popen[bytes]
     env.pop(landlock.ENV_VAR, None)  # each child is handed its own
     env.update({"PWD": str(job_dir), JOB_ENV: str(job_dir)})
     # What a rank's sandbox needs of the plan, as every rank is handed the zygote's memory:
-    # none of the hidden paths nor the sockets' folder. In a descriptor (at namespaces the
-    # zygote cannot read the job's folder), never in its environment, which every forked
-    # rank would read in its own /proc/self/environ.
+    # none of the hidden paths nor the sockets' folder. In a descriptor, never in its
+    # environment, which every forked rank would read in its own /proc/self/environ.
     told = _plan_file(replace(plan, hidden=[], readable=[], socket_dir="", zygote=""))
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as listener, told:
         listener.bind(str(socket_dir / SOCKET_NAME))
         listener.listen(size)
         fds = (listener.fileno(), told.fileno())
         command = [sys.executable, "-m", __name__, *map(str, fds), str(size)]
-        if plan.level is Level.NAMESPACES:
-            scratches = [rank_scratch(job_dir, rank) for rank in range(size)]
-            command = sandbox.job_command(command, scratches, env, job_dir)
         log = job_dir / "zygote.log"
         return orphans.start_trusted(command, log, env=env, pass_fds=fds, cwd=job_dir)
 

@@ -13,8 +13,6 @@ Three levels, strongest first:
   files, and an unprivileged bwrap could not reach sources under a 0700 home (this
   machine's interpreter lives in /root/.pyenv). Hide the home and bind the interpreter's
   prefix back readable. Not root: bwrap maps the caller's uid in a user namespace.
-  As root with Landlock, a job's ranks share one bwrap (:meth:`Sandbox.job_command`), kept
-  apart as at ``uid``, and are forked by the job's zygote as there.
 * ``uid``: no namespaces (Docker's default seccomp profile refuses them to unprivileged
   containers, Gradescope's among them) but root: a dedicated uid, rlimits, and
   permissions for hiding (checked with :func:`grader.sandbox.identity.readable_by`), and every
@@ -122,14 +120,14 @@ def _setenv(env: Mapping[str, str]) -> list[str]:
     return [flag for key, value in env.items() for flag in ("--setenv", key, value)]
 
 
-def _base_flags(uid: int, gid: int, caps: tuple[str, ...] = _CAPS) -> list[str]:
+def _base_flags(uid: int, gid: int) -> list[str]:
     """The bwrap flags every rank gets, whatever its paths."""
     flags = ["--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc"]
     for path, mode in _PRIVATE.items():
         flags += ["--perms", mode, "--size", str(_PRIVATE_BYTES), "--tmpfs", path]
     flags += ["--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts"]
     if os.geteuid() == 0:
-        flags += ["--cap-drop", "ALL", *(f for cap in caps for f in ("--cap-add", cap))]
+        flags += ["--cap-drop", "ALL", *(f for cap in _CAPS for f in ("--cap-add", cap))]
     else:
         flags += ["--unshare-user", "--uid", str(uid), "--gid", str(gid), "--disable-userns"]
     # A hostname that resolves (gloo looks its own up), and only to loopback.
@@ -296,31 +294,16 @@ class Sandbox:
             syscall_filter.program()  # made here: pre_exec only loads it
         if self.level is not Level.NAMESPACES:
             return list(argv), ()
-        # The rank is alone in its mount namespace: 0777 lets the dropped uid write there.
-        flags = [*_base_flags(self.uid, self.gid), *self._mounts([self.scratch], "0777")]
+        flags = [*_base_flags(self.uid, self.gid), *self._mounts()]
         flags += _setenv(self.environment())
         seccomp = syscall_filter.program_fd()
         flags += ["--chdir", str(self.scratch), "--seccomp", str(seccomp)]
         inner = _inner(self.uid, self.gid, self.max_processes)
         return [_bwrap(), *flags, "--", *inner, *argv], (seccomp,)
 
-    def job_command(
-        self, argv: Sequence[str], scratches: Sequence[Path], env: Mapping[str, str], cwd: Path
-    ) -> list[str]:
-        """At ``namespaces`` as root: one bubblewrap for a job's zygote, which forks the job's
-        ranks into it (:mod:`grader.launch.zygote`): this sandbox's paths, a tmpfs for each
-        of ``scratches`` (root's, 0700, until its rank takes it) and ``env`` inside. The
-        ranks share its namespaces and are kept apart as at ``uid``: each its own uid,
-        allow-list, limits and system-call filter, which each applies to itself
-        (:meth:`enter`). The zygote, trusted, forks (the filter is not bubblewrap's), gives
-        each scratch to its rank and kills a rank whose wrapper hung up."""
-        flags = _base_flags(self.uid, self.gid, (*_CAPS, "CAP_CHOWN", "CAP_KILL"))
-        flags += [*self._mounts(scratches, "0700"), *_setenv(env), "--chdir", str(cwd)]
-        return [_bwrap(), *flags, "--", *argv]
-
-    def _mounts(self, scratches: Sequence[Path], mode: str) -> list[str]:
-        """bwrap's flags for the paths: hidden ones masked, readable ones bound back, each of
-        ``scratches`` a tmpfs of its own with ``mode``."""
+    def _mounts(self) -> list[str]:
+        """bwrap's flags for the paths: hidden ones masked, readable ones bound back, the
+        scratch a tmpfs of its own."""
         flags: list[str] = []
         masks = [Path(p) for p in _PRIVATE]
         # bwrap makes the missing parents of a mount point 0700: open those inside a mask.
@@ -346,9 +329,8 @@ class Sandbox:
                 mount("--ro-bind", "/dev/null", at=path)
         for path in self.readable:
             mount("--ro-bind", str(path), at=path)
-        size = str(self.scratch_bytes)
-        for scratch in scratches:
-            mount("--perms", mode, "--size", size, "--tmpfs", at=scratch)
+        # The rank is alone in its mount namespace: 0777 lets the dropped uid write there.
+        mount("--perms", "0777", "--size", str(self.scratch_bytes), "--tmpfs", at=self.scratch)
         return flags + remount  # last: the binds above made their mount points in the masks
 
     def pre_exec(self) -> None:
@@ -362,20 +344,18 @@ class Sandbox:
         self._confine(in_place=False)
 
     def enter(self) -> None:
-        """In a child that a trusted process forked, as root, and that will not exec (a rank
-        forked by its job's zygote, :mod:`grader.launch.zygote`; at ``namespaces`` inside the
-        job's bubblewrap, :meth:`job_command`): what :meth:`pre_exec` does at ``uid``, its
-        scratch made its own, and the process left dumpable as an exec would leave it (a
-        drop from root clears the flag, which an exec sets again), so that it sees its own
-        /proc as an exec'd rank does. It dies with the process that forked it."""
-        if self.level is Level.NONE or os.geteuid() != 0:
-            raise SandboxError("only root enters a rank's sandbox in place")
-        os.chown(self.scratch, self.uid, self.gid)
+        """At ``uid``, in a child that a trusted process forked and that will not exec (a
+        rank forked by its job's zygote, :mod:`grader.launch.zygote`): what :meth:`pre_exec`
+        does, and the process left dumpable as an exec would leave it (a drop from root
+        clears the flag, which an exec sets again), so that it sees its own /proc as an
+        exec'd rank does. It dies with the process that forked it."""
+        if self.level is not Level.UID:
+            raise SandboxError(f"only the uid level enters a sandbox in place, not {self.level}")
         self._confine(in_place=True)
 
     def _confine(self, in_place: bool) -> None:
         parent = os.getppid()
-        if self.level is not Level.UID and not in_place:
+        if self.level is not Level.UID:
             die_with(parent)
         if self.level is Level.NONE:
             os.chdir(self.scratch)
@@ -389,7 +369,7 @@ class Sandbox:
         if os.geteuid() == 0:  # NPROC counts per real uid: the rank's own once dropped to it
             _set_limit(resource.RLIMIT_NPROC, self.max_processes)
         _prctl(_PR_SET_NO_NEW_PRIVS, 1)  # setuid binaries (su, mount) gain nothing
-        if self.level is Level.UID or in_place:
+        if self.level is Level.UID:
             drop_to(self.uid, self.gid)
             os.chdir(self.scratch)
             if in_place:

@@ -1,6 +1,6 @@
-"""At ``uid``, and at ``namespaces`` as root with Landlock, a job's ranks are forked from its
-zygote, which imported torch once (issue 49): each walled as an exec'd rank is, holding
-nothing of the zygote's, and ended with it.
+"""At ``uid`` a job's ranks are forked from its zygote, which imported torch once (issue 49):
+each walled as an exec'd rank is, holding nothing of the zygote's, and ended with it. At
+``namespaces`` each rank keeps a bubblewrap of its own.
 
 The probe of everything a rank inherited (its descriptors, its memory searched for secrets)
 is ``submissions/attack_wall``'s, graded at ``uid`` in test_wall.py; what a forked rank could
@@ -20,33 +20,30 @@ import sys
 import tempfile
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 from runner import REPO, materialize, start_grader, without_bwrap
 from test_wall import UID_PYTHON, _course, _uid_python
 
-from grader import sandbox
+from grader.launch import zygote
 from grader.launch.job import descendants, process_alive
+from grader.launch.plan import SandboxPlan
 from grader.sandbox import Level
 
 needs_uid = pytest.mark.skipif(bool(_uid_python()), reason=str(_uid_python()))
 
 
-def _shared_namespaces() -> str | None:
-    """Why a job's ranks cannot share one bubblewrap here (they are then exec'd), or None."""
-    if os.geteuid() != 0:
-        return "the ranks of a job share a bubblewrap as root only (a uid each)"
-    return sandbox.unavailable(Level.NAMESPACES) or sandbox.unavailable_landlock()
+LEVELS = [pytest.param(Level.UID, marks=needs_uid)]
 
 
-LEVELS = [
-    pytest.param(Level.UID, marks=needs_uid),
-    pytest.param(
-        Level.NAMESPACES,
-        marks=pytest.mark.skipif(bool(_shared_namespaces()), reason=str(_shared_namespaces())),
-    ),
-]
+def test_at_namespaces_each_rank_keeps_a_bubblewrap_of_its_own() -> None:
+    """Ranks sharing one would see each other's scratch and pid counter (``attack_zygote``
+    found both): at ``namespaces`` the ranks are exec'd, each in its own namespaces."""
+    plan = SandboxPlan(Level.NAMESPACES, "", "", [], [], "", 1 << 30, ["r /usr"], first_uid=1)
+    assert not zygote.wanted(plan)
+    assert not zygote.wanted(replace(plan, level=Level.UID, broker="head:1"))  # across nodes
 
 
 @pytest.mark.parametrize("level", LEVELS)
@@ -87,7 +84,7 @@ def _zygote_tree(grader: int) -> list[int]:
             command = Path(f"/proc/{pid}/cmdline").read_bytes()
         except OSError:
             continue
-        if b"grader.launch.zygote" in command:  # at namespaces its bubblewrap
+        if b"grader.launch.zygote" in command:
             tree = [pid, *descendants(pid)]
             if any(_owner(below) not in (0, None) for below in tree):
                 return tree
@@ -133,8 +130,7 @@ def test_a_killed_grader_leaves_no_zygote_and_no_rank(tmp_path: Path, level: Lev
 
 def _watch(grader: subprocess.Popen[str], seen: dict[int, bytes], zygotes: set[int]) -> None:
     """Every process below ``grader`` while it runs: its pid and its start (a pid reused
-    later is another process) into ``seen``; the zygotes' pids (at namespaces their
-    bubblewraps' too) into ``zygotes``."""
+    later is another process) into ``seen``; the zygotes' pids into ``zygotes``."""
     while grader.poll() is None:
         for pid in descendants(grader.pid):
             with contextlib.suppress(OSError):
