@@ -311,8 +311,9 @@ def launch(settings: JobSettings, size: int) -> Launched:
     try:
         socket_dir = prepare_job(settings, job_dir, {})
         listeners = listen(socket_dir, size)
-        if SandboxPlan.read(job_dir).zygote:  # first: its torch and torchrun's import at once
-            job.zygote = zygote.start(job_dir, socket_dir, size)
+        plan = SandboxPlan.read(job_dir)
+        if plan.zygote:  # first: its torch and torchrun's import at once
+            job.zygote = zygote.start(plan, job_dir, size)
         job.start()
         return Launched(job, job_dir, socket_dir, listeners)
     except BaseException:  # an interrupt before the caller holds the job: end what began

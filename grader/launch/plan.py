@@ -102,7 +102,7 @@ def rank_sandbox(
     uid = NOBODY if plan.first_uid is None else plan.first_uid + local_rank
     return Sandbox(
         plan.level,
-        rank_scratch(job_dir, rank),
+        job_dir / "scratch" / f"rank{rank}",
         hidden=tuple(map(Path, plan.hidden)),
         readable=tuple(map(Path, plan.readable)),
         connection=None if connection is None else connection.fileno(),
@@ -114,8 +114,3 @@ def rank_sandbox(
         uid=uid,
         gid=uid if plan.first_uid is None else plan.first_uid,
     )
-
-
-def rank_scratch(job_dir: Path, rank: int) -> Path:
-    """Rank ``rank``'s scratch folder: its cwd, HOME and TMPDIR, the one place it writes."""
-    return job_dir / "scratch" / f"rank{rank}"

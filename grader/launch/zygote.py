@@ -73,11 +73,10 @@ def _pidfds() -> bool:
     return True
 
 
-def start(job_dir: Path, socket_dir: Path, size: int) -> subprocess.Popen[bytes]:
-    """Start the zygote of the job in ``job_dir`` (its plan written), serving ``size`` ranks;
-    its socket is listening on return, and a wrapper that connects early waits in the backlog
-    until torch is imported."""
-    plan = SandboxPlan.read(job_dir)
+def start(plan: SandboxPlan, job_dir: Path, size: int) -> subprocess.Popen[bytes]:
+    """Start the zygote of the job in ``job_dir`` so planned, serving ``size`` ranks; its
+    socket (``plan.zygote``) is listening on return, and a wrapper that connects early waits
+    in the backlog until torch is imported."""
     sandbox = rank_sandbox(plan, job_dir, 0, size, 0)
     env = {**sandbox.environment(), "HOME": str(job_dir), "TMPDIR": str(job_dir)}
     env.pop(landlock.ENV_VAR, None)  # each child is handed its own
@@ -87,7 +86,7 @@ def start(job_dir: Path, socket_dir: Path, size: int) -> subprocess.Popen[bytes]
     # environment, which every forked rank would read in its own /proc/self/environ.
     told = _plan_file(replace(plan, hidden=[], readable=[], socket_dir="", zygote=""))
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as listener, told:
-        listener.bind(str(socket_dir / SOCKET_NAME))
+        listener.bind(plan.zygote)
         listener.listen(size)
         fds = (listener.fileno(), told.fileno())
         command = [sys.executable, "-m", __name__, *map(str, fds), str(size)]

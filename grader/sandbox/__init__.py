@@ -103,31 +103,15 @@ class Level(str, Enum):
     NONE = "none"
 
 
-#: What a sandbox's first process keeps as root: what setpriv needs to drop, and --chdir
-#: into a 0700 scratch.
-_CAPS = ("CAP_SETUID", "CAP_SETGID", "CAP_SETPCAP", "CAP_DAC_READ_SEARCH")
-
-
-def _bwrap() -> str:
-    bwrap = shutil.which("bwrap")
-    if bwrap is None:
-        raise SandboxError("sandbox level 'namespaces' needs bwrap on PATH")
-    return bwrap
-
-
-def _setenv(env: Mapping[str, str]) -> list[str]:
-    """bwrap's flags for the whole environment inside (after its --clearenv)."""
-    return [flag for key, value in env.items() for flag in ("--setenv", key, value)]
-
-
 def _base_flags(uid: int, gid: int) -> list[str]:
     """The bwrap flags every rank gets, whatever its paths."""
     flags = ["--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc"]
     for path, mode in _PRIVATE.items():
         flags += ["--perms", mode, "--size", str(_PRIVATE_BYTES), "--tmpfs", path]
     flags += ["--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts"]
-    if os.geteuid() == 0:
-        flags += ["--cap-drop", "ALL", *(f for cap in _CAPS for f in ("--cap-add", cap))]
+    if os.geteuid() == 0:  # what setpriv needs to drop, and --chdir into a 0700 scratch
+        caps = ("CAP_SETUID", "CAP_SETGID", "CAP_SETPCAP", "CAP_DAC_READ_SEARCH")
+        flags += ["--cap-drop", "ALL", *(f for cap in caps for f in ("--cap-add", cap))]
     else:
         flags += ["--unshare-user", "--uid", str(uid), "--gid", str(gid), "--disable-userns"]
     # A hostname that resolves (gloo looks its own up), and only to loopback.
@@ -294,17 +278,10 @@ class Sandbox:
             syscall_filter.program()  # made here: pre_exec only loads it
         if self.level is not Level.NAMESPACES:
             return list(argv), ()
-        flags = [*_base_flags(self.uid, self.gid), *self._mounts()]
-        flags += _setenv(self.environment())
-        seccomp = syscall_filter.program_fd()
-        flags += ["--chdir", str(self.scratch), "--seccomp", str(seccomp)]
-        inner = _inner(self.uid, self.gid, self.max_processes)
-        return [_bwrap(), *flags, "--", *inner, *argv], (seccomp,)
-
-    def _mounts(self) -> list[str]:
-        """bwrap's flags for the paths: hidden ones masked, readable ones bound back, the
-        scratch a tmpfs of its own."""
-        flags: list[str] = []
+        bwrap = shutil.which("bwrap")
+        if bwrap is None:
+            raise SandboxError("sandbox level 'namespaces' needs bwrap on PATH")
+        flags = _base_flags(self.uid, self.gid)
         masks = [Path(p) for p in _PRIVATE]
         # bwrap makes the missing parents of a mount point 0700: open those inside a mask.
         opened: set[Path] = set()
@@ -331,7 +308,13 @@ class Sandbox:
             mount("--ro-bind", str(path), at=path)
         # The rank is alone in its mount namespace: 0777 lets the dropped uid write there.
         mount("--perms", "0777", "--size", str(self.scratch_bytes), "--tmpfs", at=self.scratch)
-        return flags + remount  # last: the binds above made their mount points in the masks
+        flags += remount  # last: the binds above made their mount points in the masks
+        for key, value in self.environment().items():
+            flags += ["--setenv", key, value]
+        seccomp = syscall_filter.program_fd()
+        flags += ["--chdir", str(self.scratch), "--seccomp", str(seccomp)]
+        inner = _inner(self.uid, self.gid, self.max_processes)
+        return [bwrap, *flags, "--", *inner, *argv], (seccomp,)
 
     def pre_exec(self) -> None:
         """In the process about to exec the sandboxed command (``Popen(preexec_fn=...)``):

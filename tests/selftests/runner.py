@@ -193,6 +193,14 @@ def command_line(pid: int) -> str:
         return ""
 
 
+def process_owner(pid: int) -> int | None:
+    """The uid that owns process ``pid``; None once it is gone."""
+    try:
+        return os.stat(f"/proc/{pid}").st_uid
+    except OSError:
+        return None
+
+
 def without_bwrap(tmp_path: Path) -> dict[str, str]:
     """PATH with every tool this machine has but bubblewrap: namespaces are refused."""
     tools = tmp_path / "bin"

@@ -20,6 +20,7 @@ from runner import (
     ends_with_the_tests,
     materialize,
     naming,
+    process_owner,
     run_grader,
     start_grader,
 )
@@ -304,15 +305,8 @@ def ranks_of(pids: list[int]) -> list[int]:
         pid
         for pid in pids
         if command_line(pid).startswith(exec_d)
-        or (command_line(pid).startswith(forked) and _owner(pid) not in (None, os.geteuid()))
+        or (command_line(pid).startswith(forked) and process_owner(pid) not in (None, os.geteuid()))
     ]
-
-
-def _owner(pid: int) -> int | None:
-    try:
-        return os.stat(f"/proc/{pid}").st_uid
-    except OSError:
-        return None
 
 
 def test_interrupting_the_grader_ends_every_process_it_started(tmp_path: Path):

@@ -24,7 +24,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from runner import REPO, materialize, start_grader, without_bwrap
+from runner import REPO, materialize, process_owner, start_grader, without_bwrap
 from test_wall import UID_PYTHON, _course, _uid_python
 
 from grader.launch import zygote
@@ -86,16 +86,9 @@ def _zygote_tree(grader: int) -> list[int]:
             continue
         if b"grader.launch.zygote" in command:
             tree = [pid, *descendants(pid)]
-            if any(_owner(below) not in (0, None) for below in tree):
+            if any(process_owner(below) not in (0, None) for below in tree):
                 return tree
     return []
-
-
-def _owner(pid: int) -> int | None:
-    try:
-        return os.stat(f"/proc/{pid}").st_uid
-    except OSError:
-        return None
 
 
 @pytest.mark.slow

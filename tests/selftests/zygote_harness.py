@@ -41,9 +41,9 @@ def main(work: Path, level: Level) -> dict[str, object]:
         settings = job_settings(work, level, Device.CPU, identity=uids)
         settings.import_dir.mkdir(mode=0o755)  # where a grading stages the submission
         job_dir = work / "job"
-        socket_dir = prepare_job(settings, job_dir, {})
+        prepare_job(settings, job_dir, {})
         plan = SandboxPlan.read(job_dir)
-        process = zygote.start(job_dir, socket_dir, 1)
+        process = zygote.start(plan, job_dir, 1)
         ours, theirs = socket.socketpair()
         ours.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
         rank_sandbox(plan, job_dir, 0, 1, 0).prepare()
